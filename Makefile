@@ -1,0 +1,51 @@
+# The two commands of the README:  make demo  |  make test
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+
+.PHONY: setup demo test test-fast cluster-up cluster-down cluster-status cluster-env bench clean
+
+## setup: Debian's Slurm packages (when missing) + .venv with the project (idempotent)
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints-cpu.txt slurm/cluster/install-deps.sh
+	bash slurm/cluster/install-deps.sh
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip >/dev/null
+	$(BIN)/python -m pip install -q -c constraints-cpu.txt -e '.[dev]'
+	touch $(STAMP)
+
+## demo: train the tiny model with DDP on 2 local ranks (no Slurm) and print a summary
+demo: setup
+	$(BIN)/python -m launcher $(ARGS)
+
+## test: the whole suite, with the real local Slurm cluster started for it
+test: setup
+	bash slurm/cluster/up.sh
+	set -o pipefail; status=0; $(BIN)/python -m pytest $(PYTEST_ARGS) || status=$$?; \
+	  bash slurm/cluster/down.sh || true; exit $$status
+
+## test-fast: the tests that need no Slurm cluster
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slurm" $(PYTEST_ARGS)
+
+cluster-up: setup
+	bash slurm/cluster/up.sh
+
+cluster-down:
+	bash slurm/cluster/down.sh
+
+cluster-status:
+	bash slurm/cluster/status.sh
+
+cluster-env:
+	@bash slurm/cluster/env.sh
+
+bench: setup
+	$(BIN)/python bench/launch.py
+
+clean:
+	rm -rf runs multirun .pytest_cache

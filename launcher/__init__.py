@@ -1,0 +1,1 @@
+"""Login side: compose, validate, plan, submit, track, report. No torch at import time."""

@@ -1,0 +1,64 @@
+"""``python -m launcher +cluster=C [+model=M] [+strategy=S] [overrides] [-m]``
+
+Compose (Hydra) -> check -> run directory -> submit (or run locally / dry run).
+Without groups the embedded default runs: cluster=local, model=tiny, strategy=ddp.
+Bad input exits 2 with one line naming the field, the value and the fix.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from launcher import app
+from launcher.overrides import check_overrides
+from launcher.rundir import register_resolvers
+from train.config import ConfigError, register_configs
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _hydra_entry(dcfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    label = f"#{hc.job.num} " + (" ".join(hc.overrides.task) or "defaults") if multirun else \
+        (" ".join(hc.overrides.task) or "defaults")
+    code = app.run_point(dcfg, Path(hc.runtime.output_dir).resolve(), multirun, label)
+    if not multirun and code:
+        sys.exit(code)
+    app.STATE.exit_code = max(app.STATE.exit_code, 0 if code == 2 else code)
+
+
+def main() -> None:
+    register_configs()
+    register_resolvers()
+    args = sys.argv[1:]
+    multirun = "-m" in args or "--multirun" in args
+    if not any(a in ("-h", "--help", "--hydra-help", "--info", "-c", "--cfg") for a in args):
+        try:
+            check_overrides(args, multirun)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+    _hydra_entry()
+    if not multirun:
+        return
+    state = app.STATE
+    if not state.submitted and state.skipped:
+        print(f"error: every point was skipped ({len(state.skipped)}); nothing submitted", file=sys.stderr)
+        sys.exit(2)
+    wait = any(a.startswith("launcher.wait=") and a.split("=", 1)[1].lower() in ("true", "1", "yes")
+               for a in args)
+    if wait:
+        codes = [app.wait_and_report(job, run_dir, conf) for job, run_dir, conf in state.submitted]
+        state.exit_code = max([state.exit_code, *codes])
+    if state.skipped:
+        print(f"{len(state.submitted)} submitted, {len(state.skipped)} skipped", file=sys.stderr)
+    sys.exit(state.exit_code)
+
+
+if __name__ == "__main__":
+    main()

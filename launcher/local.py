@@ -1,0 +1,65 @@
+"""The embedded default: run every rank on this machine, no Slurm.
+
+Each rank is ``python -m train RUN_DIR`` with a torchrun-style environment (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the path torchrun itself takes.
+Rank 0 prints to the terminal; every rank also logs to ``RUN_DIR/logs/``. If one rank
+fails, the others are stopped.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+from train.config import RunConfig
+from train.layout import Layout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_local(cfg: RunConfig, layout: Layout, run_dir: Path) -> int:
+    """Start all ranks, wait, return 0 when every rank succeeded (else the first failure's code)."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs: List[subprocess.Popen] = []
+    for rank in range(layout.world_size):
+        node, local = layout.placement(rank)
+        env = dict(os.environ, **cfg.cluster.env)
+        env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(layout.world_size),
+                   LOCAL_WORLD_SIZE=str(layout.gpus_per_node), GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        out = None if rank == 0 else open(logs / f"rank{rank}.out", "ab")
+        procs.append(subprocess.Popen([sys.executable, "-m", "train", str(run_dir)], env=env, stdout=out,
+                                      stderr=subprocess.STDOUT if out else None))
+        if out:
+            out.close()
+    code = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed:
+                code = failed[0].returncode
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return code or next((p.returncode for p in procs if p.returncode), 0)

@@ -1,0 +1,97 @@
+"""Stable run directories and the reproducibility files written into them.
+
+A run's directory is derived from its command-line overrides (sorted, ``+`` dropped,
+the launcher's own switches such as ``launcher.wait`` ignored): readable text plus a
+hash, ``runs/<slug>``. A sweep's points live in ``runs/multirun/<slug>/<N>`` with N
+Hydra's job number. Re-running the same command therefore finds the same directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+# Overrides that do not change what a run computes.
+_IGNORED = ("launcher.wait", "launcher.dry_run", "launcher.root", "launcher.run_dir", "hydra.", "hydra/")
+
+
+def _normalise(overrides: Iterable[str]) -> List[str]:
+    kept = []
+    for item in overrides:
+        if item.startswith("-"):
+            continue
+        item = item.lstrip("+~")
+        if any(item.startswith(prefix) for prefix in _IGNORED):
+            continue
+        kept.append(item)
+    return sorted(kept)
+
+
+def slug(overrides: Iterable[str]) -> str:
+    items = _normalise(overrides)
+    if not items:
+        return "default"
+    digest = hashlib.sha1("\n".join(items).encode()).hexdigest()[:8]
+    text = "_".join(items)
+    text = re.sub(r"[^A-Za-z0-9._=,-]+", "-", text)[:80].strip("-_.")
+    return f"{text}-{digest}"
+
+
+def cli_overrides() -> List[str]:
+    return [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
+
+
+def resolve_run_dir(root: str, explicit: Optional[str]) -> str:
+    return str(explicit) if explicit not in (None, "", "None") else os.path.join(root, slug(cli_overrides()))
+
+
+def resolve_sweep_dir(root: str, explicit: Optional[str]) -> str:
+    if explicit not in (None, "", "None"):
+        return str(explicit)
+    return os.path.join(root, "multirun", slug(cli_overrides()))
+
+
+def register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("sto_run_dir", resolve_run_dir, replace=True)
+    OmegaConf.register_new_resolver("sto_sweep_dir", resolve_sweep_dir, replace=True)
+
+
+def _git(*args: str) -> str:
+    try:
+        proc = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent.parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def write_provenance(run_dir: Path) -> None:
+    """git commit (+ diff when dirty) and an environment summary, for reproducibility."""
+    commit = _git("rev-parse", "HEAD").strip() or "unknown"
+    (run_dir / "git_commit.txt").write_text(commit + "\n")
+    diff = _git("diff", "HEAD")
+    if diff:
+        (run_dir / "git_diff.patch").write_text(diff)
+    lines = [f"python: {sys.version.split()[0]} ({sys.executable})", f"platform: {platform.platform()}",
+             f"host: {platform.node()}", f"argv: {' '.join(sys.argv)}"]
+    try:
+        from importlib.metadata import version
+
+        for pkg in ("torch", "deepspeed", "hydra-core", "omegaconf", "submitit"):
+            try:
+                lines.append(f"{pkg}: {version(pkg)}")
+            except Exception:
+                lines.append(f"{pkg}: not installed")
+    except ImportError:
+        pass
+    for key in sorted(os.environ):
+        if key.startswith(("SLURM_CONF", "NCCL_", "TORCH_", "CUDA_VISIBLE", "OMP_")):
+            lines.append(f"env {key}={os.environ[key]}")
+    (run_dir / "environment.txt").write_text("\n".join(lines) + "\n")

@@ -1,0 +1,1 @@
+"""Slurm-side helpers: SLURM_* environment, sbatch rendering, queries, the local cluster."""

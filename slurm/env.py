@@ -1,0 +1,144 @@
+"""Read the environment Slurm (srun) gives each task, and expand host lists.
+
+Pure standard library: used by the compute side to rendezvous and by the launcher.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import List, Mapping, Optional
+
+# A host list is comma-separated items; an item is a prefix, optionally followed by a
+# bracketed range list, optionally followed by more text: "gpu[01-03,07]", "a[1-2]b[3-4]".
+_BRACKET = re.compile(r"\[([^\]]*)\]")
+
+
+def _split_top_level(text: str) -> List[str]:
+    """Split on commas that are not inside brackets."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in host list {text!r}")
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if depth != 0:
+        raise ValueError(f"unbalanced '[' in host list {text!r}")
+    parts.append("".join(cur))
+    return [p for p in (x.strip() for x in parts) if p]
+
+
+def _expand_ranges(spec: str) -> List[str]:
+    out: List[str] = []
+    for piece in spec.split(","):
+        piece = piece.strip()
+        if not piece:
+            continue
+        if "-" in piece:
+            lo, hi = piece.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()):
+                raise ValueError(f"bad range {piece!r} in host list")
+            width = len(lo)  # zero padding is kept: 01-03 -> 01 02 03
+            if int(hi) < int(lo):
+                raise ValueError(f"descending range {piece!r} in host list")
+            out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
+        else:
+            if not piece.isdigit():
+                raise ValueError(f"bad index {piece!r} in host list")
+            out.append(piece)
+    return out
+
+
+def _expand_item(item: str) -> List[str]:
+    match = _BRACKET.search(item)
+    if match is None:
+        return [item]
+    head, tail = item[: match.start()], item[match.end():]
+    return [head + idx + rest for idx in _expand_ranges(match.group(1)) for rest in _expand_item(tail)]
+
+
+def expand_hostlist(text: str) -> List[str]:
+    """``"gpu[01-03,07],cpu1"`` -> ``["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]`` (Slurm's order)."""
+    hosts: List[str] = []
+    for item in _split_top_level(text.strip()):
+        hosts.extend(_expand_item(item))
+    return hosts
+
+
+def rendezvous_port(job_id: str, base: int = 29500, span: int = 10000) -> int:
+    """A port every task of a job derives alike, differing between concurrent jobs.
+
+    Array jobs ("123_4") and het jobs ("123+1") hash the whole id.
+    """
+    digits = re.sub(r"\D", "", str(job_id))
+    number = int(digits) if digits else 0
+    return base + number % span
+
+
+@dataclass(frozen=True)
+class SlurmTaskEnv:
+    """The parts of one srun task's environment that rendezvous needs."""
+
+    job_id: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    hostnames: List[str]
+    restart_count: int
+
+    @property
+    def master_addr(self) -> str:
+        return self.hostnames[0]
+
+    @property
+    def master_port(self) -> int:
+        return rendezvous_port(self.job_id)
+
+
+def _int(env: Mapping[str, str], key: str, default: Optional[int] = None) -> int:
+    value = env.get(key)
+    if value is None or value == "":
+        if default is None:
+            raise KeyError(f"{key} is not set: not inside an srun task")
+        return default
+    # SLURM_TASKS_PER_NODE looks like "2(x3)"; callers use _tasks_per_node for that.
+    return int(value)
+
+
+def in_srun_task(env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
+
+
+def slurm_task_env(env: Mapping[str, str] | None = None) -> SlurmTaskEnv:
+    """Parse the SLURM_* variables of an srun task."""
+    env = os.environ if env is None else env
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise KeyError("SLURM_JOB_NODELIST is not set: not inside a Slurm job")
+    hosts = expand_hostlist(nodelist)
+    world = _int(env, "SLURM_NTASKS", _int(env, "SLURM_NPROCS", 1))
+    num_nodes = _int(env, "SLURM_STEP_NUM_NODES", _int(env, "SLURM_JOB_NUM_NODES", len(hosts)))
+    local_world = _int(env, "SLURM_NTASKS_PER_NODE", max(1, world // max(1, num_nodes)))
+    return SlurmTaskEnv(
+        # Unique per array element too, so concurrent array tasks get distinct ports.
+        job_id=env.get("SLURM_JOB_ID", "0"),
+        rank=_int(env, "SLURM_PROCID"),
+        world_size=world,
+        local_rank=_int(env, "SLURM_LOCALID"),
+        local_world_size=local_world,
+        node_rank=_int(env, "SLURM_NODEID"),
+        num_nodes=num_nodes,
+        hostnames=hosts,
+        restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
+    )

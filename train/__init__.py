@@ -1,0 +1,1 @@
+"""Compute side: every Slurm task (or torchrun / local process) runs this package."""

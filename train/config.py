@@ -1,0 +1,282 @@
+"""The typed schema of the whole run configuration.
+
+Pure module (no torch): the launcher validates with it on the login node and every
+Slurm task loads the very same schema from the run directory. Hydra composes YAML
+files of ``conf/`` over these dataclasses; the entry points convert the result to
+real dataclasses once (:func:`to_run_config`), and nothing below them sees a
+``DictConfig``.
+
+The schema's own defaults are the embedded default run: cluster ``local``, model
+``tiny``, strategy ``ddp``. ``conf/cluster/local.yaml`` etc. only restate the name, so
+``+cluster=local`` and no cluster group compose to the same config (tested).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error: one line naming the field, the value and the fix."""
+
+
+@dataclass
+class ClusterConfig:
+    """Where the job runs. ``backend=local`` spawns ranks on this machine (no Slurm)."""
+
+    name: str = "local"
+    # "local": processes on this machine, torchrun-style env; "slurm": submit with submitit.
+    backend: str = "local"
+    nodes: int = 1
+    # Ranks per node: GPUs per node on GPU clusters, task slots per node on CPU clusters.
+    gpus_per_node: int = 2
+    # GPUs that share NVLink inside a node; 0 means "all GPUs of the node" (= gpus_per_node).
+    # Tensor parallel groups must fit inside one domain.
+    nvlink_domain: int = 0
+    # "cpu" (gloo, no --gpus-per-node) or "gpu" (nccl, --gpus-per-node=gpus_per_node).
+    accelerator: str = "cpu"
+    cpus_per_task: int = 1
+    # Memory per node in GB for sbatch --mem; null leaves Slurm's default.
+    mem_gb: Optional[int] = None
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    # Nodes to avoid (sbatch --exclude), e.g. "node[3-4]".
+    exclude: Optional[str] = None
+    # Wall-clock limit in minutes (sbatch --time).
+    time_min: int = 60
+    # Slurm sends the user signal (USR2) this many seconds before the time limit.
+    signal_delay_s: int = 120
+    # How many times a run may be requeued after preemption or time limit before it stops.
+    max_requeues: int = 3
+    # Shell lines run in the batch script before srun (module loads, venv activation).
+    setup: List[str] = field(default_factory=list)
+    # Environment for every task (NCCL_*, etc.); values are shell-quoted in the script.
+    env: Dict[str, str] = field(default_factory=dict)
+    # Peak dense bf16 FLOP/s per GPU in TFLOP/s; null = unknown, then MFU is not reported.
+    peak_tflops_bf16: Optional[float] = None
+    # Memory of one GPU in GB (planner); null = unknown.
+    gpu_mem_gb: Optional[float] = None
+    # Bandwidths in GB/s per GPU (planner cost model): NVLink inside a node, network across.
+    intra_node_gbps: Optional[float] = None
+    inter_node_gbps: Optional[float] = None
+    # Path of slurm.conf to use; null: $SLURM_CONF, else the system default. The localslurm
+    # profile sets "auto": the cluster started by `make cluster-up` is found by itself.
+    slurm_conf: Optional[str] = None
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
+
+    name: str = "tiny"
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    # Key/value heads (grouped-query attention); null = n_heads (plain multi-head).
+    n_kv_heads: Optional[int] = None
+    vocab_size: int = 256
+    # SwiGLU hidden size: int(8/3 * dim * ffn_dim_multiplier) rounded up to multiple_of.
+    ffn_dim_multiplier: float = 1.0
+    multiple_of: int = 32
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 256
+    # Share the token embedding with the output head (GPT-2 does, Llama does not).
+    tie_embeddings: bool = False
+
+
+@dataclass
+class StrategyConfig:
+    """How the model is parallelised. Degrees multiply to the world size.
+
+    ``-1`` in a degree means "fill the ranks the other degrees leave". The mesh is
+    (pipeline_parallel, dp_replicate, dp_shard, tensor_parallel), tensor parallel innermost.
+    """
+
+    name: str = "ddp"
+    # "torch" (DDP/FSDP/TP/PP from torch.distributed) or "deepspeed".
+    engine: str = "torch"
+    # Data-parallel flavour of the torch engine: "ddp" | "fsdp" | "none".
+    data_parallel: str = "ddp"
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    # Ranks each parameter is sharded over (FSDP / ZeRO); 1 = not sharded.
+    dp_shard: int = 1
+    # Ranks holding full replicas (DDP, HSDP's outer axis); -1 = the rest.
+    dp_replicate: int = -1
+    # DeepSpeed ZeRO stage 0-3 (engine=deepspeed only).
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    # FSDP: free gathered parameters after forward (full shard) or keep them (grad-op).
+    reshard_after_forward: bool = True
+    # "auto" = bf16 on GPU, fp32 on CPU; or "fp32" / "bf16".
+    mixed_precision: str = "auto"
+    # "none" | "selective" | "full".
+    activation_checkpointing: str = "none"
+    # Pipeline schedule: "gpipe" | "1f1b" | "interleaved_1f1b"; microbatches per step.
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 4
+    # torch.compile the model (GPU).
+    compile: bool = False
+
+
+@dataclass
+class DataConfig:
+    # "markov": a seeded synthetic token stream generated on first use (learnable, so the
+    # loss falls); "file": a flat binary file of token ids at `path` (uint16 when
+    # model.vocab_size <= 65536, else uint32), e.g. written by numpy's tofile().
+    source: str = "markov"
+    path: Optional[str] = None
+    # Tokens generated for the markov source.
+    num_tokens: int = 2_000_000
+    # Successors per token in the markov chain: the loss floor is about ln(branching).
+    branching: int = 4
+    # Where generated data is cached; null = ~/.cache/slurm-torch-orchestrator.
+    cache_dir: Optional[str] = None
+    seed: int = 1234
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    # Clip the global gradient norm to this value; 0 disables clipping.
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    # Sequences per rank per micro-step.
+    micro_batch_size: int = 8
+    seq_len: int = 64
+    # Micro-steps per optimizer step.
+    grad_accum: int = 1
+    seed: int = 0
+    log_every: int = 1
+    # Gloo/NCCL collective timeout in seconds.
+    dist_timeout_s: int = 600
+
+
+@dataclass
+class LauncherConfig:
+    # Print the sbatch script and the rank map, submit nothing.
+    dry_run: bool = False
+    # Block until the job ends and print its summary (local runs always wait).
+    wait: bool = False
+    # Directory under which run directories are made (relative to the current directory).
+    root: str = "runs"
+    # Explicit run directory; null = derived from the overrides, so re-running the same
+    # command finds the same directory.
+    run_dir: Optional[str] = None
+    # Job name in Slurm; null = "sto-" + model + strategy.
+    job_name: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+GROUPS = ("cluster", "model", "strategy")
+
+_CHOICES = {
+    "cluster.backend": ("local", "slurm"),
+    "cluster.accelerator": ("cpu", "gpu"),
+    "strategy.engine": ("torch", "deepspeed"),
+    "strategy.data_parallel": ("ddp", "fsdp", "none"),
+    "strategy.mixed_precision": ("auto", "fp32", "bf16"),
+    "strategy.activation_checkpointing": ("none", "selective", "full"),
+    "strategy.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "data.source": ("markov", "file"),
+}
+
+_POSITIVE = (
+    "cluster.nodes", "cluster.gpus_per_node", "cluster.cpus_per_task", "cluster.time_min",
+    "model.dim", "model.n_layers", "model.n_heads", "model.vocab_size", "model.max_seq_len",
+    "train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum",
+    "train.log_every", "strategy.pp_microbatches",
+)
+
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check field values that do not depend on the layout; raise ConfigError."""
+    for key in _POSITIVE:
+        value = _get(cfg, key)
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1; set {key}=1 or more")
+    for key, allowed in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them")
+    if cfg.cluster.signal_delay_s < 0 or cfg.cluster.max_requeues < 0:
+        raise ConfigError("cluster.signal_delay_s and cluster.max_requeues must be >= 0")
+    m = cfg.model
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "
+                          "pick n_heads dividing dim")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"model head dim {m.dim // m.n_heads} (dim/n_heads) must be even for RoPE")
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % kv:
+        raise ConfigError(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}")
+    if cfg.train.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+                          f"use train.seq_len<={m.max_seq_len}")
+    if cfg.data.source == "file" and not cfg.data.path:
+        raise ConfigError("data.source=file needs data.path=PATH to a binary token file")
+
+
+def to_run_config(cfg: Any) -> RunConfig:
+    """DictConfig (or mapping / YAML path) -> RunConfig dataclass, type-checked by OmegaConf."""
+    from omegaconf import OmegaConf
+
+    if isinstance(cfg, (str, Path)):
+        cfg = OmegaConf.load(str(cfg))
+    schema = OmegaConf.structured(RunConfig)
+    merged = OmegaConf.merge(schema, cfg)
+    obj = OmegaConf.to_object(merged)
+    if not isinstance(obj, RunConfig):  # pragma: no cover - OmegaConf contract
+        raise TypeError(f"expected RunConfig, got {type(obj).__name__}")
+    return obj
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def as_dict(cfg: RunConfig) -> Dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore (conf/config.yaml extends it)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)

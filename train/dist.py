@@ -1,0 +1,106 @@
+"""Rendezvous: from srun's SLURM_* variables, a torchrun-style environment, or alone.
+
+Under srun every task derives the same master address (first host of the job's node
+list) and port (from the job id, see slurm.env.rendezvous_port), so no file or extra
+service is needed. Under torchrun (or the local launcher) RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR / MASTER_PORT are used as given. With neither, the process is
+a world of one. Backend: NCCL when CUDA is there, gloo otherwise.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from slurm.env import in_srun_task, slurm_task_env
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    hostname: str
+    backend: str
+    device: torch.device
+    job_id: str
+    restart_count: int
+    launcher: str  # "srun" | "torchrun" | "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _from_environment() -> dict:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        return dict(rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", 0)),
+                    local_world_size=local_world, node_rank=int(env.get("GROUP_RANK", int(env["RANK"]) // local_world)),
+                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 29500)),
+                    job_id=env.get("SLURM_JOB_ID", env.get("TORCHELASTIC_RUN_ID", "local")),
+                    restart_count=int(env.get("SLURM_RESTART_COUNT", 0) or 0), launcher="torchrun")
+    if in_srun_task(env):
+        t = slurm_task_env(env)
+        return dict(rank=t.rank, world_size=t.world_size, local_rank=t.local_rank,
+                    local_world_size=t.local_world_size, node_rank=t.node_rank, master_addr=t.master_addr,
+                    master_port=t.master_port, job_id=t.job_id, restart_count=t.restart_count, launcher="srun")
+    return dict(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, master_addr="127.0.0.1",
+                master_port=0, job_id="single", restart_count=0, launcher="single")
+
+
+def init_distributed(timeout_s: int = 600) -> DistContext:
+    """Join the process group of this job and pick the device of this rank."""
+    info = _from_environment()
+    if torch.cuda.is_available():
+        backend = "nccl"
+        torch.cuda.set_device(info["local_rank"] % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        backend = "gloo"
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if info["world_size"] == 1 and info["launcher"] == "single":
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        # Export for libraries that read them (DeepSpeed, torch.distributed helpers).
+        os.environ.update(MASTER_ADDR=info["master_addr"], MASTER_PORT=str(info["master_port"]),
+                          RANK=str(info["rank"]), WORLD_SIZE=str(info["world_size"]),
+                          LOCAL_RANK=str(info["local_rank"]), LOCAL_WORLD_SIZE=str(info["local_world_size"]))
+        dist.init_process_group(backend, init_method=f"tcp://{info['master_addr']}:{info['master_port']}",
+                                rank=info["rank"], world_size=info["world_size"], timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
+    return DistContext(rank=info["rank"], world_size=info["world_size"], local_rank=info["local_rank"],
+                       local_world_size=info["local_world_size"], node_rank=info["node_rank"],
+                       hostname=socket.gethostname(), backend=backend, device=device, job_id=str(info["job_id"]),
+                       restart_count=info["restart_count"], launcher=info["launcher"])
+
+
+def all_hostnames(ctx: DistContext) -> list[str]:
+    """One hostname per node, in node order (gathered from every rank)."""
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, (ctx.node_rank, ctx.hostname))
+    by_node: dict[int, str] = {}
+    for node, host in gathered:
+        by_node.setdefault(node, host)
+    return [by_node[n] for n in sorted(by_node)]
+
+
+def shutdown() -> None:
+    """Clean exit: FSDP2/DeviceMesh gloo workers can abort the process if torn down racing."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

@@ -1,0 +1,76 @@
+"""The training loop: data -> engine step -> metrics. One loop for every strategy."""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from train.config import RunConfig
+from train.data import ShardedLoader, token_file
+from train.dist import DistContext
+from train.layout import Layout
+from train.metrics import flops_per_token, mfu, peak_memory_bytes
+from train.model import build_model
+from train.parallelize import parallelize
+from train.rundir import append_metrics
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio x lr at the last step."""
+    o, total = cfg.optim, cfg.train.steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    span = max(1, total - o.warmup_steps)
+    progress = min(1.0, (step - o.warmup_steps) / span)
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segment: int, log) -> List[Dict[str, Any]]:
+    """Train for cfg.train.steps steps; rank 0 appends metrics rows. Returns the rows."""
+    torch.manual_seed(cfg.train.seed)
+    coords = layout.coords(ctx.rank)
+    dp_rank = layout.dp_rank(ctx.rank)
+    path = token_file(cfg.data, cfg.model.vocab_size)  # rank 0..N race safely on a file lock
+    loader = ShardedLoader(path, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.micro_batch_size,
+                           cfg.train.grad_accum, dp_rank, layout.dp, seed=cfg.data.seed)
+    model = build_model(cfg.model, "meta")
+    engine = parallelize(model, cfg, layout, ctx)
+    log(f"rank {ctx.rank} coords {coords} device {ctx.device} backend {ctx.backend}")
+
+    tokens_per_step = loader.global_batch * cfg.train.seq_len
+    flops_token = flops_per_token(cfg.model, cfg.train.seq_len)
+    n_gpus = ctx.world_size if ctx.device.type == "cuda" or cfg.cluster.accelerator == "gpu" else 0
+    peak = cfg.cluster.peak_tflops_bf16 if n_gpus else None
+    rows: List[Dict[str, Any]] = []
+    for step in range(loader.state.step, cfg.train.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        loss, grad_norm = engine.train_step(loader.next_step(), lr)
+        # Mean loss over data-parallel ranks = loss of the global batch (equal shards).
+        stats = torch.stack([loss.float(), grad_norm.float().to(loss.device)])
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+        stats[0] /= ctx.world_size
+        stats[1] /= ctx.world_size
+        loss_value, norm_value = stats.tolist()
+        mem = torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64, device=loss.device)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the busiest rank's peak
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss is {loss_value} at step {step + 1}; lower optim.lr")
+        dt = time.perf_counter() - t0
+        row = {
+            "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "step_time_s": dt,
+            "tokens_per_s": tokens_per_step / dt, "samples_per_s": loader.global_batch / dt,
+            "peak_mem_bytes": int(mem.item()), "mfu": mfu(tokens_per_step / dt, flops_token, peak, n_gpus),
+            "global_batch_size": loader.global_batch, "tokens_per_step": tokens_per_step,
+            "world_size": ctx.world_size, "segment": segment, "time": time.time(),
+        }
+        rows.append(row)
+        if ctx.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
+            append_metrics(run_dir, row)
+            log(f"step {step + 1}/{cfg.train.steps} loss {loss_value:.4f} tokens/s {row['tokens_per_s']:.0f} "
+                f"step {dt * 1000:.1f} ms")
+    return rows

@@ -1,0 +1,164 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Built on the meta device (no memory), parallelised, then materialised with
+``to_empty`` + :meth:`Transformer.init_weights`, as torchtitan does. Initialisation
+draws from an explicit generator so every rank (and a single-process reference) gets
+the same weights.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.config import ModelConfig
+
+
+def ffn_hidden_dim(cfg: ModelConfig) -> int:
+    """Llama's SwiGLU width: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
+    hidden = int(2 * (4 * cfg.dim) / 3)
+    hidden = int(cfg.ffn_dim_multiplier * hidden)
+    return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of)
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameters of :class:`Transformer` from the config alone (the planner uses this)."""
+    head_dim = cfg.dim // cfg.n_heads
+    kv = cfg.n_kv_heads or cfg.n_heads
+    attn = cfg.dim * cfg.n_heads * head_dim + 2 * cfg.dim * kv * head_dim + cfg.n_heads * head_dim * cfg.dim
+    mlp = 3 * cfg.dim * ffn_hidden_dim(cfg)
+    per_layer = attn + mlp + 2 * cfg.dim
+    embed = cfg.vocab_size * cfg.dim
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    return embed + cfg.n_layers * per_layer + cfg.dim + head
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device) -> torch.Tensor:
+    """cos/sin of the rotary angles, shape (seq_len, head_dim // 2, 2)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position."""
+    seq = x.shape[1]
+    xf = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos = table[:seq, None, :, 0]
+    sin = table[:seq, None, :, 1]
+    out = torch.stack((xf[..., 0] * cos - xf[..., 1] * sin, xf[..., 0] * sin + xf[..., 1] * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 head counts: under tensor parallel each rank holds a slice of the heads.
+        q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), rope)
+        k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), rope)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg))
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed "0".."n-1" keeps parameter names stable when pipeline
+        # stages drop layers.
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", torch.empty(0), persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, device: Optional[torch.device] = None) -> None:
+        """Deterministic init (same on every rank); call after ``to_empty``."""
+        device = device or self.tok_embeddings.weight.device
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+
+        def normal_(t: torch.Tensor, std: float) -> None:
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).mul_(std).to(t.dtype))
+
+        cfg = self.cfg
+        normal_(self.tok_embeddings.weight, 1.0 if not cfg.tie_embeddings else 0.02)
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        for layer in self.layers.values():
+            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1,
+                        layer.feed_forward.w3):
+                normal_(lin.weight, 0.02)
+            normal_(layer.attention.wo.weight, out_std)
+            normal_(layer.feed_forward.w2.weight, out_std)
+            layer.attention_norm.reset_parameters()
+            layer.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not cfg.tie_embeddings:
+            normal_(self.output.weight, cfg.dim ** -0.5)
+        self.rope = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Transformer:
+    with torch.device(device):
+        return Transformer(cfg)

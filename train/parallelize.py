@@ -1,0 +1,39 @@
+"""Apply parallelism in one fixed order (as torchtitan does):
+
+1. tensor parallel (needs the plain module tree, before any wrapper),
+2. activation checkpointing (wraps each block; must see TP's modules, not FSDP's),
+3. torch.compile per block (compiles the checkpointed, TP-sharded block),
+4. data parallel: DDP / FSDP / DeepSpeed, which also materialises the meta model.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from train.config import RunConfig
+from train.dist import DistContext
+from train.layout import Layout
+from train.model import Transformer
+from train.strategies import check_supported, get_builder
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+    """``full``: recompute every block in backward. ``selective``: every other block."""
+    if mode == "none":
+        return
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if mode == "full" or (mode == "selective" and i % 2 == 0):
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: Transformer) -> None:
+    for name, block in list(model.layers.items()):
+        model.layers[name] = torch.compile(block, fullgraph=True)
+
+
+def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext):
+    check_supported(cfg, layout)
+    apply_activation_checkpointing(model, cfg.strategy.activation_checkpointing)
+    if cfg.strategy.compile:
+        apply_compile(model)
+    return get_builder(cfg)(model, cfg, layout, ctx)
