@@ -37,6 +37,9 @@ def main() -> None:
     register_resolvers()
     args = sys.argv[1:]
     multirun = "-m" in args or "--multirun" in args
+    if multirun:  # Hydra's parser takes no override after -m; users write -m anywhere
+        flags = [a for a in args if a in ("-m", "--multirun")]
+        sys.argv = [sys.argv[0], *[a for a in args if a not in flags], *flags]
     if not any(a in ("-h", "--help", "--hydra-help", "--info", "-c", "--cfg") for a in args):
         try:
             check_overrides(args, multirun)

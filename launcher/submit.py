@@ -35,7 +35,11 @@ def resolve_slurm_conf(cfg: RunConfig) -> Optional[str]:
             raise ConfigError(f"cluster.slurm_conf=auto: no local Slurm cluster at {path.parent.parent} "
                               "(slurm.conf missing); start it with `make cluster-up`")
         return str(path)
-    return conf or os.environ.get("SLURM_CONF")
+    conf = conf or os.environ.get("SLURM_CONF")
+    if conf and not Path(conf).is_file():
+        field = "cluster.slurm_conf" if cfg.cluster.slurm_conf else "SLURM_CONF"
+        raise ConfigError(f"{field}={conf}: no such file; point it at the cluster's slurm.conf")
+    return conf
 
 
 def check_slurm(cfg: RunConfig, slurm_conf: Optional[str]) -> None:
@@ -78,8 +82,8 @@ def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
     return params
 
 
-def render_script(cfg: RunConfig, layout: Layout, run_dir: Path) -> str:
-    return sbatch.render(slurm_parameters(cfg, layout), run_dir / "slurm")
+def render_script(cfg: RunConfig, layout: Layout, run_dir: Path, python: Optional[str] = None) -> str:
+    return sbatch.render(slurm_parameters(cfg, layout), run_dir / "slurm", python)
 
 
 def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[str]):

@@ -16,7 +16,10 @@ class SlurmUnavailable(RuntimeError):
 def _run(cmd: List[str], env: Optional[Dict[str, str]] = None, timeout: float = 30) -> str:
     if shutil.which(cmd[0]) is None:
         raise SlurmUnavailable(f"{cmd[0]} not found on PATH")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise SlurmUnavailable(f"{' '.join(cmd[:2])} did not answer within {timeout:.0f} s") from None
     if proc.returncode != 0:
         raise SlurmUnavailable(f"{' '.join(cmd[:2])} failed: {(proc.stderr or proc.stdout).strip()[:300]}")
     return proc.stdout

@@ -72,11 +72,12 @@ def init_distributed(timeout_s: int = 600) -> DistContext:
     if info["world_size"] == 1 and info["launcher"] == "single":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        # Export for libraries that read them (DeepSpeed, torch.distributed helpers).
+        # env:// reads these; under torchrun it also reuses the agent's store
+        # (TORCHELASTIC_USE_AGENT_STORE) instead of opening a second server on its port.
         os.environ.update(MASTER_ADDR=info["master_addr"], MASTER_PORT=str(info["master_port"]),
                           RANK=str(info["rank"]), WORLD_SIZE=str(info["world_size"]),
                           LOCAL_RANK=str(info["local_rank"]), LOCAL_WORLD_SIZE=str(info["local_world_size"]))
-        dist.init_process_group(backend, init_method=f"tcp://{info['master_addr']}:{info['master_port']}",
+        dist.init_process_group(backend, init_method="env://",
                                 rank=info["rank"], world_size=info["world_size"], timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
     return DistContext(rank=info["rank"], world_size=info["world_size"], local_rank=info["local_rank"],

@@ -118,6 +118,16 @@ def _fmt(degrees: Dict[str, int]) -> str:
     return " x ".join(f"{k} {v}" for k, v in degrees.items())
 
 
+def _check_tp(tp: int, gpus_per_node: int, domain: int, cluster: str) -> None:
+    if tp > gpus_per_node or gpus_per_node % tp:
+        raise ConfigError(f"strategy.tensor_parallel={tp} does not divide cluster.gpus_per_node={gpus_per_node} "
+                          f"on cluster {cluster}: TP must stay inside one node; use a tensor_parallel "
+                          f"dividing {gpus_per_node}")
+    if tp > domain:
+        raise ConfigError(f"strategy.tensor_parallel={tp} exceeds cluster.nvlink_domain={domain} on cluster "
+                          f"{cluster}: TP must stay inside one NVLink domain; use tensor_parallel<={domain}")
+
+
 def build_layout(cfg: RunConfig) -> Layout:
     """Fill ``-1`` and check every placement rule; raise ConfigError naming the fix."""
     c, s = cfg.cluster, cfg.strategy
@@ -129,16 +139,12 @@ def build_layout(cfg: RunConfig) -> Layout:
     if c.gpus_per_node % domain:
         raise ConfigError(f"cluster.nvlink_domain={domain} must divide cluster.gpus_per_node={c.gpus_per_node}")
     world = c.nodes * c.gpus_per_node
+    if s.tensor_parallel != -1:
+        _check_tp(s.tensor_parallel, c.gpus_per_node, domain, c.name)  # the clearer message first
     degrees = _fill({"pipeline_parallel": s.pipeline_parallel, "dp_replicate": s.dp_replicate,
                      "dp_shard": s.dp_shard, "tensor_parallel": s.tensor_parallel}, world)
     tp = degrees["tensor_parallel"]
-    if tp > c.gpus_per_node or c.gpus_per_node % tp:
-        raise ConfigError(f"strategy.tensor_parallel={tp} does not divide cluster.gpus_per_node={c.gpus_per_node} "
-                          f"on cluster {c.name}: TP must stay inside one node; use a tensor_parallel "
-                          f"dividing {c.gpus_per_node}")
-    if tp > domain:
-        raise ConfigError(f"strategy.tensor_parallel={tp} exceeds cluster.nvlink_domain={domain} on cluster "
-                          f"{c.name}: TP must stay inside one NVLink domain; use tensor_parallel<={domain}")
+    _check_tp(tp, c.gpus_per_node, domain, c.name)
     if s.engine == "deepspeed" and degrees["pipeline_parallel"] > 1 and s.zero_stage > 1:
         raise ConfigError(f"strategy.zero_stage={s.zero_stage} with pipeline_parallel={degrees['pipeline_parallel']}: "
                           "DeepSpeed pipeline parallel supports ZeRO stage 0 or 1 only; use strategy.zero_stage<=1")

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Print the one line that points Slurm clients at the local cluster:
+#   eval "$(slurm/cluster/env.sh)"
+set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+printf 'export SLURM_CONF=%q\n' "$SLURM_CONF"

@@ -1,0 +1,19 @@
+"""Helpers shared by tests (importable: pytest puts tests/ on sys.path)."""
+from __future__ import annotations
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from launcher.overrides import CONF_DIR
+from launcher.rundir import register_resolvers
+from train.config import RunConfig, register_configs, to_run_config
+
+register_configs()
+register_resolvers()
+
+
+def compose_run(overrides: list[str]) -> RunConfig:
+    """Compose conf/ like `python -m launcher OVERRIDES` does, as dataclasses."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_run_config(compose("config", overrides=overrides))

@@ -1,0 +1,58 @@
+"""The launcher's command line: one-line errors (exit 2, nothing submitted), dry run."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import launcher, run_dir_of
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["cluster=a100x8"], "append it with +cluster=a100x8"),
+    (["+cluster=nope"], "unknown cluster 'nope'"),
+    (["+strategy=zero9"], "unknown strategy 'zero9'"),
+    (["train.foo=1"], "unknown field 'train.foo'"),
+    (["+cluster=local", "cluster.nodes=0"], "cluster.nodes=0 must be >= 1"),
+    (["cluster.nodes=1,2"], "add -m"),
+    (["+cluster=a100x8", "strategy.tensor_parallel=16"], "TP must stay inside one node"),
+    (["+cluster=a100x8", "cluster.nodes=2", "strategy.dp_replicate=3"], "world 16 != "),
+    (["+cluster=a100x8", "cluster.slurm_conf=/nonexistent/slurm.conf"], "no such file"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, args, expect):
+    proc = launcher(args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], proc.stderr
+    assert "submitted job" not in proc.stdout
+
+
+def test_missing_local_cluster_names_the_fix(tmp_path):
+    proc = launcher(["+cluster=localslurm"], cwd=tmp_path, env={"LOCALSLURM_DIR": str(tmp_path / "none")})
+    assert proc.returncode == 2
+    assert "make cluster-up" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_dry_run_prints_script_and_rank_map(tmp_path):
+    proc = launcher(["+cluster=h100x8", "cluster.nodes=2", "launcher.dry_run=true"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "#SBATCH --nodes=2" in out and "submitit.core._submit" in out
+    assert "world 16 = 2 nodes x 8/node" in out and "dry run: nothing submitted" in out
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert len(rows) == 16 and rows[9][:3] == ["9", "1", "1"]  # rank 9 -> node 1, local rank 1
+    run_dir = run_dir_of(out)
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "sbatch.sh").is_file()
+    assert not (run_dir / "run.json").exists()
+
+
+def test_user_command_with_plus_prefixes_composes(tmp_path):
+    proc = launcher(["+cluster=a100x8", "+strategy=ddp", "+model=llama3_8b", "-m", "launcher.dry_run=true"],
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --gpus-per-node=8" in proc.stdout
+
+
+def test_same_command_same_run_dir(tmp_path):
+    a = run_dir_of(launcher(["+cluster=a100x8", "launcher.dry_run=true"], cwd=tmp_path).stdout)
+    b = run_dir_of(launcher(["launcher.dry_run=true", "+cluster=a100x8"], cwd=tmp_path).stdout)
+    c = run_dir_of(launcher(["+cluster=h100x8", "launcher.dry_run=true"], cwd=tmp_path).stdout)
+    assert a == b != c

@@ -1,0 +1,49 @@
+"""Tier 1: the rendered sbatch script (golden file) and its agreement with submitit."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from launcher.submit import render_script, slurm_parameters
+from helpers import compose_run as _compose
+from train.layout import build_layout
+
+GOLDEN = Path(__file__).parent / "golden"
+RUN_DIR = Path("/scratch/runs/demo run")   # a space: every path must be quoted
+
+
+def _a100_two_nodes():
+    return _compose(["+cluster=a100x8", "cluster.nodes=2", "+model=llama3_8b", "+strategy=ddp",
+                     "+cluster.env.NCCL_DEBUG=WARN", "cluster.setup=[module load cuda/12.4]"])
+
+
+def test_golden_a100x8_two_nodes():
+    cfg = _a100_two_nodes()
+    script = render_script(cfg, build_layout(cfg), RUN_DIR, python="/opt/venv/bin/python")
+    golden = GOLDEN / "a100x8_2nodes.sbatch"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert script == golden.read_text()
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=8" in script
+    assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --signal=USR2@120" in script
+
+
+def test_env_values_are_quoted():
+    cfg = _compose(["+cluster=a100x8", "+cluster.env.WEIRD='a b; $(rm -rf /)'"])
+    script = render_script(cfg, build_layout(cfg), RUN_DIR)
+    assert "export WEIRD='a b; $(rm -rf /)'" in script
+
+
+@pytest.mark.skipif(shutil.which("srun") is None, reason="submitit's SlurmExecutor needs srun on PATH")
+def test_dry_run_script_equals_submitits(tmp_path):
+    import submitit
+
+    cfg = _a100_two_nodes()
+    layout = build_layout(cfg)
+    executor = submitit.SlurmExecutor(folder=tmp_path / "slurm")
+    executor.update_parameters(**slurm_parameters(cfg, layout))
+    theirs = executor._make_submission_file_text(executor._submitit_command_str, "uid")
+    assert render_script(cfg, layout, tmp_path) == theirs

@@ -1,0 +1,50 @@
+"""Tier 1: SLURM_* parsing and host-list expansion."""
+from __future__ import annotations
+
+import pytest
+
+from slurm.env import expand_hostlist, in_srun_task, rendezvous_port, slurm_task_env
+
+
+@pytest.mark.parametrize("text,hosts", [
+    ("node1", ["node1"]),
+    ("node[1-3]", ["node1", "node2", "node3"]),
+    ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),
+    ("gpu[098-101]", ["gpu098", "gpu099", "gpu100", "gpu101"]),
+    ("a1,b[2-3],c", ["a1", "b2", "b3", "c"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+    ("n[5],m[10-11]", ["n5", "m10", "m11"]),
+    ("", []),
+])
+def test_expand_hostlist(text, hosts):
+    assert expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize("bad", ["gpu[01-03", "gpu01]", "gpu[3-1]", "gpu[a-b]"])
+def test_bad_hostlists_raise(bad):
+    with pytest.raises(ValueError):
+        expand_hostlist(bad)
+
+
+def test_task_env_from_srun_variables():
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
+           "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_NTASKS_PER_NODE": "4", "SLURM_RESTART_COUNT": "2"}
+    t = slurm_task_env(env)
+    assert in_srun_task(env)
+    assert (t.rank, t.world_size, t.local_rank, t.node_rank, t.num_nodes) == (5, 8, 1, 1, 2)
+    assert t.hostnames == ["gpu07", "gpu08"] and t.master_addr == "gpu07"
+    assert t.local_world_size == 4 and t.restart_count == 2
+    assert t.master_port == rendezvous_port("4242") == 29500 + 4242
+
+
+def test_not_in_srun_task():
+    assert not in_srun_task({"SLURM_JOB_ID": "1"})
+    with pytest.raises(KeyError):
+        slurm_task_env({})
+
+
+def test_ports_differ_between_jobs_and_stay_in_range():
+    ports = {rendezvous_port(str(j)) for j in range(1000, 1100)}
+    assert len(ports) == 100 and all(29500 <= p < 39500 for p in ports)
+    assert rendezvous_port("77_3") == rendezvous_port("773")
