@@ -156,7 +156,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 20
+    steps: int = 50
     # Sequences per rank per micro-step.
     micro_batch_size: int = 8
     seq_len: int = 64

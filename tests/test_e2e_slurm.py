@@ -1,0 +1,74 @@
+"""Tier 4: the launcher against the real local Slurm cluster (sbatch, srun, sacct)."""
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from conftest import launcher, run_dir_of
+from train.rundir import read_metrics, read_run_json
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def sacct_rows(job_ids, env):
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,NNodes,NodeList"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    return {p[0]: p for p in (line.split("|") for line in out.splitlines()) if len(p) == 4}
+
+
+def wait_terminal(job_ids, env, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        rows = sacct_rows(job_ids, env)
+        if len(rows) == len(job_ids) and all(r[1].split()[0] not in ("PENDING", "RUNNING", "REQUEUED",
+                                                                       "COMPLETING") for r in rows.values()):
+            return rows
+        time.sleep(1)
+    raise AssertionError(f"jobs {job_ids} not finished after {timeout} s: {sacct_rows(job_ids, env)}")
+
+
+def test_two_nodes_two_tasks_each(tmp_path, slurm_cluster):
+    proc = launcher(["+cluster=localslurm", "+strategy=ddp", "cluster.nodes=2", "cluster.gpus_per_node=2",
+                     "train.steps=10", "launcher.wait=true"], cwd=tmp_path, env=slurm_cluster, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = run_dir_of(proc.stdout)
+    info = read_run_json(run_dir)
+    assert info["status"] == "completed" and info["world_size"] == 4 and info["nodes"] == 2
+    assert len(set(info["hostnames"])) == 2 and all(h.startswith("node") for h in info["hostnames"])
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 11)) and all(r["world_size"] == 4 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert {"tokens_per_s", "samples_per_s", "peak_mem_bytes", "mfu"} <= set(rows[0])
+    job = info["job_id"]
+    acct = sacct_rows([job], slurm_cluster)[job]
+    assert acct[1] == "COMPLETED" and acct[2] == "2"
+    for task in range(4):  # per-rank logs of srun and of the trainer
+        assert (run_dir / "slurm" / f"{job}_{task}_log.out").exists()
+        assert (run_dir / "logs" / f"rank{task}.log").exists()
+    assert (run_dir / "sbatch.sh").read_text().count("#SBATCH --nodes=2") == 1
+    assert (run_dir / "config.yaml").exists() and (run_dir / "git_commit.txt").exists()
+    assert "steps: 10" in proc.stdout and f"run_dir: {run_dir}" in proc.stdout
+
+
+def test_sweep_submits_one_job_per_point_without_waiting(tmp_path, slurm_cluster):
+    proc = launcher(["+cluster=localslurm", "cluster.nodes=1,2", "train.steps=3", "-m"], cwd=tmp_path,
+                    env=slurm_cluster, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobs = [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("submitted job")]
+    run_dirs = [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("run_dir: ")]
+    assert len(jobs) == 2 and len(set(run_dirs)) == 2
+    rows = wait_terminal(jobs, slurm_cluster)
+    assert sorted(rows[j][2] for j in jobs) == ["1", "2"]
+    assert all(rows[j][1] == "COMPLETED" for j in jobs), rows
+    assert all(read_run_json(d)["status"] == "completed" for d in run_dirs)
+
+
+def test_rerun_of_a_completed_run_submits_nothing(tmp_path, slurm_cluster):
+    args = ["+cluster=localslurm", "cluster.nodes=1", "train.steps=2", "launcher.wait=true"]
+    first = launcher(args, cwd=tmp_path, env=slurm_cluster, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = launcher(args, cwd=tmp_path, env=slurm_cluster, timeout=60)
+    assert again.returncode == 0 and "already completed" in again.stdout
+    assert "submitted job" not in again.stdout
