@@ -6,7 +6,7 @@ import shutil
 import subprocess
 from typing import Dict, Iterable, List, Optional
 
-SACCT_FIELDS = ("JobID", "State", "NNodes", "NodeList", "ExitCode", "Partition", "Elapsed", "Restarts")
+SACCT_FIELDS = ("JobID", "State", "NNodes", "NodeList", "ExitCode", "Partition", "Elapsed")
 
 
 class SlurmUnavailable(RuntimeError):

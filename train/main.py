@@ -38,9 +38,15 @@ def run(run_dir: str | Path) -> int:
     from train.dist import all_hostnames, init_distributed, shutdown
     from train.loop import train
 
+    import torch
+
     run_dir = Path(run_dir).resolve()
     cfg = to_run_config(run_dir / CONFIG)
     validate(cfg)
+    # One intra-op thread pool per task sized to its CPUs, as torchrun does: srun tasks
+    # otherwise each start one thread per core of the node and oversubscribe it.
+    threads = os.environ.get("OMP_NUM_THREADS") or os.environ.get("SLURM_CPUS_PER_TASK") or cfg.cluster.cpus_per_task
+    torch.set_num_threads(max(1, int(threads)))
     layout = build_layout(cfg)
     ctx = init_distributed(cfg.train.dist_timeout_s)
     log = _logger(run_dir, ctx.rank)
