@@ -105,17 +105,16 @@ def run_point(dcfg, run_dir: Path, multirun: bool, label: str) -> int:
     common = dict(strategy=cfg.strategy.name, nodes=cfg.cluster.nodes, world_size=layout.world_size,
                   cluster=cfg.cluster.name, model=cfg.model.name, run_dir=str(run_dir))
     if not slurm:
-        update_run_json(run_dir, status="starting", job_id="local", **common)
+        update_run_json(run_dir, status="starting", job_id="local", requeues_since_submit=0, **common)
         print(f"local run: {layout.world_size} ranks on this machine\nrun_dir: {run_dir}", flush=True)
         code = local.run_local(cfg, layout, run_dir)
-        if code and read_run_json(run_dir).get("status") != "failed":
+        if code and read_run_json(run_dir).get("status") not in ("failed", "interrupted"):
             update_run_json(run_dir, status="failed", error=f"a rank exited with status {code}")
         print("\n".join(summary_lines(run_dir)))
         return 0 if code == 0 and read_run_json(run_dir).get("status") == "completed" else 1
 
     job = submit.submit(cfg, layout, run_dir, slurm_conf)
-    update_run_json(run_dir, status="submitted", job_id=str(job.job_id), segments=read_run_json(run_dir).get(
-        "segments", 0), **common)
+    update_run_json(run_dir, status="submitted", job_id=str(job.job_id), requeues_since_submit=0, **common)
     STATE.submitted.append((str(job.job_id), run_dir, slurm_conf))
     print(f"submitted job {job.job_id} ({label}): {cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} tasks")
     print(f"run_dir: {run_dir}", flush=True)

@@ -169,6 +169,27 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # Save every N optimizer steps; 0 = only on preemption / time limit.
+    every_steps: int = 0
+    # Also save when this many minutes passed since the last save; 0 = off.
+    every_minutes: float = 0.0
+    # Committed checkpoints kept (older ones are deleted after a new one commits).
+    keep: int = 2
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for tests and benchmarks; all off by default."""
+
+    # Sleep this long after every step, so a run lasts long enough to be interrupted.
+    step_delay_s: float = 0.0
+    # SIGKILL every rank in the middle of the save at this step (after the shards are
+    # written, before the commit); 0 = off.
+    kill_in_save_at_step: int = 0
+
+
+@dataclass
 class LauncherConfig:
     # Print the sbatch script and the rank map, submit nothing.
     dry_run: bool = False
@@ -191,6 +212,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
 
@@ -232,6 +255,9 @@ def validate(cfg: RunConfig) -> None:
         value = _get(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them")
+    if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be >= 0 and "
+                          f"checkpoint.keep={cfg.checkpoint.keep} >= 1")
     if cfg.cluster.signal_delay_s < 0 or cfg.cluster.max_requeues < 0:
         raise ConfigError("cluster.signal_delay_s and cluster.max_requeues must be >= 0")
     m = cfg.model

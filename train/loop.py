@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -15,7 +14,9 @@ from train.dist import DistContext
 from train.layout import Layout
 from train.metrics import flops_per_token, mfu, peak_memory_bytes
 from train.model import build_model
+from train.checkpoint import Checkpointer
 from train.parallelize import parallelize
+from train.preempt import PreemptionFlag
 from train.rundir import append_metrics
 
 
@@ -29,8 +30,13 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segment: int, log) -> List[Dict[str, Any]]:
-    """Train for cfg.train.steps steps; rank 0 appends metrics rows. Returns the rows."""
+def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segment: int, log,
+          flag: PreemptionFlag, ckpt: Checkpointer) -> str:
+    """Train up to cfg.train.steps, resuming from the newest committed checkpoint.
+
+    Returns "completed", or "interrupted" after a signal (checkpoint saved and committed).
+    Rank 0 appends a metrics row per logged step, tagged with the segment.
+    """
     torch.manual_seed(cfg.train.seed)
     coords = layout.coords(ctx.rank)
     dp_rank = layout.dp_rank(ctx.rank)
@@ -40,22 +46,32 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
     model = build_model(cfg.model, "meta")
     engine = parallelize(model, cfg, layout, ctx)
     log(f"rank {ctx.rank} coords {coords} device {ctx.device} backend {ctx.backend}")
+    restored = ckpt.load_latest(engine, log)
+    if restored is not None:
+        loader.load_state_dict(restored["loader"])
+        log(f"resumed from step {restored['step']} (segment {segment})")
 
     tokens_per_step = loader.global_batch * cfg.train.seq_len
     flops_token = flops_per_token(cfg.model, cfg.train.seq_len)
     n_gpus = ctx.world_size if ctx.device.type == "cuda" or cfg.cluster.accelerator == "gpu" else 0
     peak = cfg.cluster.peak_tflops_bf16 if n_gpus else None
-    rows: List[Dict[str, Any]] = []
+    last_save = time.monotonic()
     for step in range(loader.state.step, cfg.train.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         loss, grad_norm = engine.train_step(loader.next_step(), lr)
         # Mean loss over data-parallel ranks = loss of the global batch (equal shards).
-        stats = torch.stack([loss.float(), grad_norm.float().to(loss.device)])
+        # The same all-reduce carries the preemption flags (any rank) and rank 0's
+        # "time to save" decision, so every rank takes the same branch below.
+        minutes_due = cfg.checkpoint.every_minutes > 0 and ctx.is_main and \
+            time.monotonic() - last_save >= cfg.checkpoint.every_minutes * 60
+        flags = torch.tensor([float(flag.is_set), float(minutes_due)], device=loss.device)
+        stats = torch.cat([torch.stack([loss.float(), grad_norm.float().to(loss.device)]), flags])
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+        preempted, save_due = stats[2].item() > 0, stats[3].item() > 0
         stats[0] /= ctx.world_size
         stats[1] /= ctx.world_size
-        loss_value, norm_value = stats.tolist()
+        loss_value, norm_value = stats[:2].tolist()
         mem = torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64, device=loss.device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the busiest rank's peak
         if not math.isfinite(loss_value):
@@ -68,9 +84,18 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
             "global_batch_size": loader.global_batch, "tokens_per_step": tokens_per_step,
             "world_size": ctx.world_size, "segment": segment, "time": time.time(),
         }
-        rows.append(row)
         if ctx.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
             append_metrics(run_dir, row)
             log(f"step {step + 1}/{cfg.train.steps} loss {loss_value:.4f} tokens/s {row['tokens_per_s']:.0f} "
                 f"step {dt * 1000:.1f} ms")
-    return rows
+        every = cfg.checkpoint.every_steps
+        if preempted or save_due or (every and (step + 1) % every == 0 and step + 1 < cfg.train.steps):
+            fault_kill = cfg.fault.kill_in_save_at_step == step + 1
+            ckpt.save(engine, step + 1, {"loader": loader.state_dict()}, kill_before_commit=fault_kill)
+            last_save = time.monotonic()
+            log(f"checkpoint step {step + 1} committed in {ckpt.last_save_s:.2f} s")
+            if preempted:
+                return "interrupted"
+        if cfg.fault.step_delay_s:
+            time.sleep(cfg.fault.step_delay_s)
+    return "completed"

@@ -8,9 +8,15 @@ import time
 import traceback
 from pathlib import Path
 
+from train import preempt
 from train.config import to_run_config, validate
 from train.layout import build_layout
+from train.checkpoint import Checkpointer
+from train.preempt import PreemptionFlag
 from train.rundir import CONFIG, read_run_json, update_run_json
+
+# Statuses after which a (re)started job does nothing: resubmission resets them.
+FINAL = ("completed", "stopped")
 
 
 def _logger(run_dir: Path, rank: int) -> logging.Logger:
@@ -33,12 +39,14 @@ def _logger(run_dir: Path, rank: int) -> logging.Logger:
 
 def run(run_dir: str | Path) -> int:
     """Join the job's process group, train, record the outcome in run.json. Returns 0."""
+    # First: a signal during the slow imports and rendezvous must set the flag, not kill.
+    flag = PreemptionFlag().install()  # replaces submitit's USR2 handler: one path
+
+    import torch
     import torch.distributed as dist
 
     from train.dist import all_hostnames, init_distributed, shutdown
     from train.loop import train
-
-    import torch
 
     run_dir = Path(run_dir).resolve()
     cfg = to_run_config(run_dir / CONFIG)
@@ -54,26 +62,54 @@ def run(run_dir: str | Path) -> int:
         raise RuntimeError(f"the job has {ctx.world_size} ranks but the layout needs {layout.world_size} "
                            f"({layout.describe()})")
     hostnames = all_hostnames(ctx)
-    segment = 0
+    info = [read_run_json(run_dir) if ctx.is_main else None]
+    dist.broadcast_object_list(info, src=0)
+    status = info[0].get("status")
+    if status in FINAL:  # never retrain a finished or capped run, even if Slurm restarts it
+        log.info(f"run is {status}; nothing to do (resubmit with `python -m launcher.resume {run_dir}`)")
+        shutdown()
+        return 0
+    segment = int(info[0].get("segments", 0))
     if ctx.is_main:
-        segment = int(read_run_json(run_dir).get("segments", 0))
         update_run_json(run_dir, status="running", job_id=ctx.job_id, hostnames=hostnames,
                         world_size=ctx.world_size, nodes=len(hostnames), segments=segment + 1,
                         strategy=cfg.strategy.name, launcher=ctx.launcher, backend=ctx.backend,
                         started_at=time.time(), restart_count=ctx.restart_count)
-    obj = [segment]
-    dist.broadcast_object_list(obj, src=0)
+    ckpt = Checkpointer(run_dir / "checkpoints", ctx.rank, keep=cfg.checkpoint.keep)
     try:
-        train(cfg, layout, ctx, run_dir, obj[0], log.info)
+        outcome = train(cfg, layout, ctx, run_dir, segment, log.info, flag, ckpt)
     except BaseException as exc:
         log.error("training failed: %s\n%s", exc, traceback.format_exc())
         if ctx.is_main:
             update_run_json(run_dir, status="failed", error=f"{type(exc).__name__}: {exc}", ended_at=time.time())
         raise
     if ctx.is_main:
-        update_run_json(run_dir, status="completed", ended_at=time.time())
+        if outcome == "completed":
+            update_run_json(run_dir, status="completed", ended_at=time.time())
+        else:
+            after_interruption(cfg, run_dir, info[0], log)
     shutdown()
     return 0
+
+
+def after_interruption(cfg, run_dir: Path, info: dict, log) -> None:
+    """Rank 0, checkpoint committed: count the interruption, requeue unless capped."""
+    job = preempt.in_slurm_job()
+    kind = preempt.classify(job, cfg.cluster.signal_delay_s) if job else "preemption"
+    counter = "timeouts" if kind == "timeout" else "preemptions"
+    requeues = int(info.get("requeues_since_submit", 0)) + 1
+    fields = {counter: int(info.get(counter, 0)) + 1, "requeues_since_submit": requeues, "ended_at": time.time()}
+    if job is None:
+        update_run_json(run_dir, status="interrupted", **fields)
+        log.info(f"{kind}: checkpoint committed; run the same command again to resume")
+    elif requeues > cfg.cluster.max_requeues:
+        update_run_json(run_dir, status="stopped", stop_reason=f"requeue cap cluster.max_requeues="
+                        f"{cfg.cluster.max_requeues} reached after {kind}", **fields)
+        log.info(f"{kind}: checkpoint committed; not requeued (cap {cfg.cluster.max_requeues} reached)")
+    else:
+        update_run_json(run_dir, status="requeued", last_interruption=kind, **fields)
+        error = preempt.requeue(job)
+        log.info(f"{kind}: checkpoint committed; requeue of job {job}: {error or 'ok'}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,103 @@
+"""Checkpoints on CPU without Slurm: atomic commit, kill during save, corruption, resume."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, launcher, run_dir_of
+from train.checkpoint import find_latest, verify
+from train.rundir import read_metrics, read_run_json
+
+pytestmark = pytest.mark.slow
+BASE = ["train.steps=12", "train.seq_len=32", "data.num_tokens=50000", "checkpoint.every_steps=4"]
+
+
+def by_step(run_dir):
+    """Loss per step; a step logged again after a resume keeps its newest value."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    work = tmp_path_factory.mktemp("ref")
+    proc = launcher(BASE, cwd=work)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run_dir_of(proc.stdout)
+
+
+def test_periodic_checkpoints_are_committed_and_pruned(reference):
+    root = reference / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000008"]  # keep=2
+    assert (root / "latest").read_text().strip() == "step_00000008"
+    assert not list(root.glob(".tmp-*"))
+    assert all(verify(p) is None for p in root.glob("step_*"))
+
+
+def test_kill_during_save_keeps_previous_and_resumes_exactly(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    killed = launcher(BASE + ["fault.kill_in_save_at_step=8", f"launcher.run_dir={run_dir}"], cwd=tmp_path)
+    assert killed.returncode != 0
+    root = run_dir / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000004"
+    assert (root / ".tmp-step_00000008").is_dir() and not (root / "step_00000008").exists()
+    again = launcher(BASE + [f"launcher.run_dir={run_dir}"], cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed from step 4" in (run_dir / "logs" / "rank0.log").read_text()
+    assert by_step(run_dir) == by_step(reference)  # bitwise: fp32 on CPU
+    segments = [r["segment"] for r in read_metrics(run_dir)]
+    assert segments[0] == 0 and segments[-1] == 1
+
+
+def test_truncated_or_corrupt_checkpoint_is_skipped(tmp_path, reference):
+    import shutil
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(reference / "checkpoints", root)
+    newest = root / "step_00000008"
+    shard = sorted((newest / "dcp").glob("*.distcp"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    reports = []
+    assert find_latest(root, reports.append) == root / "step_00000004"
+    assert "truncated file dcp/" in reports[0]
+    shard.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # same size, one byte flipped
+    assert "checksum mismatch" in verify(newest)
+    (newest / "COMMITTED").unlink()
+    assert verify(newest) == "no commit marker"
+
+
+def test_signal_interrupts_and_rerun_resumes(tmp_path, reference):
+    args = BASE + ["fault.step_delay_s=0.3", "checkpoint.every_steps=0"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = None
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        runs = list((tmp_path / "runs").glob("*/metrics.jsonl"))
+        if runs and len(runs[0].read_text().splitlines()) >= 3:
+            run_dir = runs[0].parent
+            break
+        time.sleep(0.1)
+    assert run_dir is not None, "the run never logged 3 steps"
+    pids = subprocess.run(["pgrep", "-f", "--", f"-m train {run_dir}"], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 2
+    for pid in pids:
+        os.kill(int(pid), signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out  # interrupted, not completed
+    info = read_run_json(run_dir)
+    assert info["status"] == "interrupted" and info["preemptions"] == 1
+    stopped_at = max(r["step"] for r in read_metrics(run_dir))
+    assert 3 <= stopped_at < 12
+    again = launcher(args, cwd=tmp_path)  # the same command resumes the run
+    assert again.returncode == 0 and run_dir_of(again.stdout) == run_dir, again.stdout + again.stderr
+    assert f"resumed from step {stopped_at}" in (run_dir / "logs" / "rank0.log").read_text()
+    assert by_step(run_dir) == by_step(reference)
+    assert read_run_json(run_dir)["status"] == "completed" and read_run_json(run_dir)["segments"] == 2

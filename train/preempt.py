@@ -1,0 +1,96 @@
+"""The one preemption path.
+
+1. Slurm sends the user signal (``--signal=USR2@N``: N seconds before the time limit, or
+   at once on preemption with ``preempt_send_user_signal``); an explicit
+   ``scancel --signal=USR2`` does the same. SIGTERM (grace time ending, ``scontrol
+   requeue``) is caught too. The handler only sets a flag on that rank.
+2. At the next step boundary the ranks agree: the flag rides in the per-step all-reduce
+   of the loss, so no extra collective is needed and every rank sees the same decision.
+3. All ranks save one checkpoint together and commit it atomically (train.checkpoint).
+4. Rank 0 decides: a signal with little time left is a *timeout*, otherwise a
+   *preemption* (counted separately in run.json). Unless the cap ``cluster.max_requeues``
+   is reached, rank 0 runs ``scontrol requeue $SLURM_JOB_ID``: the job keeps its id and
+   run directory, and the restarted tasks resume from the checkpoint. Then every rank
+   exits cleanly.
+
+submitit installs its own USR2 handler in each task; ours replaces it, so there is one
+path (submitit's Checkpointable is not used).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from typing import Optional
+
+# A signal that arrives when less than signal_delay + this margin remains is a timeout.
+TIMEOUT_MARGIN_S = 60
+
+
+class PreemptionFlag:
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self.received_at: Optional[float] = None
+
+    def install(self) -> "PreemptionFlag":
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, self._handler)
+        return self
+
+    def _handler(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum, self.received_at = signum, time.time()
+
+    @property
+    def is_set(self) -> bool:
+        return self.signum is not None
+
+
+def seconds_left(job_id: str) -> Optional[float]:
+    """Time left before the job's limit per Slurm, or None when unknown."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True,
+                             timeout=15).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_slurm_duration(out)
+
+
+def parse_slurm_duration(text: str) -> Optional[float]:
+    """``[days-]hours:minutes:seconds`` / ``minutes:seconds`` -> seconds; None if not a duration."""
+    text = text.strip()
+    if not text or text in ("UNLIMITED", "NOT_SET", "INVALID"):
+        return None
+    days = 0
+    if "-" in text:
+        d, text = text.split("-", 1)
+        days = int(d)
+    parts = [int(p) for p in text.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    h, m, s = parts[-3:]
+    return float(((days * 24 + h) * 60 + m) * 60 + s)
+
+
+def classify(job_id: str, signal_delay_s: int) -> str:
+    """"timeout" when the signal came because the time limit is near, else "preemption"."""
+    left = seconds_left(job_id)
+    if left is not None and left <= signal_delay_s + TIMEOUT_MARGIN_S:
+        return "timeout"
+    return "preemption"
+
+
+def requeue(job_id: str) -> Optional[str]:
+    """Ask Slurm to requeue this job; None on success, else the error text."""
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    if proc.returncode != 0:
+        return (proc.stderr or proc.stdout).strip()
+    return None
+
+
+def in_slurm_job() -> Optional[str]:
+    return os.environ.get("SLURM_JOB_ID")
