@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from train.config import ModelConfig
 
@@ -129,12 +130,21 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int, device: Optional[torch.device] = None) -> None:
-        """Deterministic init (same on every rank); call after ``to_empty``."""
+        """Deterministic init (same on every rank); call after ``to_empty``.
+
+        Works on plain tensors and on sharded DTensors alike: the weights equal those of
+        an unsharded model with the same seed.
+        """
         device = device or self.tok_embeddings.weight.device
         gen = torch.Generator(device="cpu").manual_seed(seed)
 
         def normal_(t: torch.Tensor, std: float) -> None:
-            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).mul_(std).to(t.dtype))
+            full = torch.randn(t.shape, generator=gen, dtype=torch.float32).mul_(std).to(t.dtype)
+            if isinstance(t, DTensor):
+                # Sharded (FSDP / TP): every rank draws the same full tensor, so the
+                # generator stays in step, and keeps its own piece (no communication).
+                full = distribute_tensor(full.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+            t.copy_(full)
 
         cfg = self.cfg
         normal_(self.tok_embeddings.weight, 1.0 if not cfg.tie_embeddings else 0.02)

@@ -16,6 +16,7 @@ from train.layout import Layout
 # (engine, data_parallel) -> "module:function". Filled in as strategies land.
 _BUILDERS: Dict[Tuple[str, str], str] = {
     ("torch", "ddp"): "train.strategies.ddp:build",
+    ("torch", "fsdp"): "train.strategies.fsdp:build",
 }
 
 
