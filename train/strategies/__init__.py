@@ -12,11 +12,16 @@ from typing import Callable, Dict, Tuple
 
 from train.config import ConfigError, RunConfig
 from train.layout import Layout
+from train.strategies import ds_config
 
 # (engine, data_parallel) -> "module:function". Filled in as strategies land.
 _BUILDERS: Dict[Tuple[str, str], str] = {
     ("torch", "ddp"): "train.strategies.ddp:build",
     ("torch", "fsdp"): "train.strategies.fsdp:build",
+    ("deepspeed", "zero0"): "train.strategies.deepspeed:build",
+    ("deepspeed", "zero1"): "train.strategies.deepspeed:build",
+    ("deepspeed", "zero2"): "train.strategies.deepspeed:build",
+    ("deepspeed", "zero3"): "train.strategies.deepspeed:build",
 }
 
 
@@ -27,6 +32,7 @@ def builder_key(cfg: RunConfig) -> Tuple[str, str]:
 
 def check_supported(cfg: RunConfig, layout: Layout) -> None:
     """Raise ConfigError for a combination this version cannot run (before submission)."""
+    ds_config.check(cfg)
     key = builder_key(cfg)
     if key not in _BUILDERS:
         known = ", ".join(f"engine={e} data_parallel={d}" for e, d in _BUILDERS)
