@@ -54,7 +54,7 @@ def rank_map(layout: Layout) -> str:
     return "\n".join(lines)
 
 
-def _already(cfg: RunConfig, run_dir: Path, slurm_conf: Optional[str]) -> Optional[str]:
+def already_done(cfg: RunConfig, run_dir: Path, slurm_conf: Optional[str]) -> Optional[str]:
     """A reason not to start this run again, or None."""
     info = read_run_json(run_dir)
     if info.get("status") == "completed":
@@ -81,7 +81,7 @@ def run_point(dcfg, run_dir: Path, multirun: bool, label: str) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     run_dir.mkdir(parents=True, exist_ok=True)
-    reason = None if cfg.launcher.dry_run else _already(cfg, run_dir, slurm_conf)
+    reason = None if cfg.launcher.dry_run else already_done(cfg, run_dir, slurm_conf)
     if reason:
         print(f"{label}: {reason}; nothing submitted (use launcher.run_dir=NEW_DIR for a new run)")
         print("\n".join(summary_lines(run_dir)))
@@ -102,6 +102,13 @@ def run_point(dcfg, run_dir: Path, multirun: bool, label: str) -> int:
         print(f"dry run: nothing submitted\nrun_dir: {run_dir}")
         return 0
 
+    return launch(cfg, layout, run_dir, slurm_conf, label, wait=cfg.launcher.wait and not multirun)
+
+
+def launch(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[str], label: str,
+           wait: bool) -> int:
+    """Start (or restart) the run in ``run_dir``: locally, waiting, or on Slurm."""
+    slurm = cfg.cluster.backend == "slurm"
     common = dict(strategy=cfg.strategy.name, nodes=cfg.cluster.nodes, world_size=layout.world_size,
                   cluster=cfg.cluster.name, model=cfg.model.name, run_dir=str(run_dir))
     if not slurm:
@@ -118,7 +125,7 @@ def run_point(dcfg, run_dir: Path, multirun: bool, label: str) -> int:
     STATE.submitted.append((str(job.job_id), run_dir, slurm_conf))
     print(f"submitted job {job.job_id} ({label}): {cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} tasks")
     print(f"run_dir: {run_dir}", flush=True)
-    if cfg.launcher.wait and not multirun:
+    if wait:
         return wait_and_report(str(job.job_id), run_dir, slurm_conf)
     return 0
 

@@ -60,27 +60,28 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         loss, grad_norm = engine.train_step(loader.next_step(), lr)
-        # Mean loss over data-parallel ranks = loss of the global batch (equal shards).
-        # The same all-reduce carries the preemption flags (any rank) and rank 0's
-        # "time to save" decision, so every rank takes the same branch below.
+        # One small all-gather per step carries each rank's loss, grad norm, peak memory,
+        # preemption flag and (rank 0's) "time to save" decision, so every rank takes the
+        # same branch below. Sums run in rank order on every rank: unlike an all-reduce,
+        # whose summation order may vary, the logged loss is bitwise reproducible.
         minutes_due = cfg.checkpoint.every_minutes > 0 and ctx.is_main and \
             time.monotonic() - last_save >= cfg.checkpoint.every_minutes * 60
-        flags = torch.tensor([float(flag.is_set), float(minutes_due)], device=loss.device)
-        stats = torch.cat([torch.stack([loss.float(), grad_norm.float().to(loss.device)]), flags])
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-        preempted, save_due = stats[2].item() > 0, stats[3].item() > 0
-        stats[0] /= ctx.world_size
-        stats[1] /= ctx.world_size
-        loss_value, norm_value = stats[:2].tolist()
-        mem = torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64, device=loss.device)
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the busiest rank's peak
+        local = torch.tensor([loss.item(), grad_norm.item(), peak_memory_bytes(ctx.device), float(flag.is_set),
+                              float(minutes_due)], dtype=torch.float64, device=loss.device)
+        gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
+        dist.all_gather(gathered, local)
+        table = torch.stack(gathered).cpu()
+        loss_value = float(table[:, 0].sum() / ctx.world_size)  # = loss of the global batch
+        norm_value = float(table[:, 1].sum() / ctx.world_size)
+        peak_mem = int(table[:, 2].max())  # the busiest rank's peak
+        preempted, save_due = bool(table[:, 3].any()), bool(table[:, 4].any())
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"loss is {loss_value} at step {step + 1}; lower optim.lr")
         dt = time.perf_counter() - t0
         row = {
             "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "step_time_s": dt,
             "tokens_per_s": tokens_per_step / dt, "samples_per_s": loader.global_batch / dt,
-            "peak_mem_bytes": int(mem.item()), "mfu": mfu(tokens_per_step / dt, flops_token, peak, n_gpus),
+            "peak_mem_bytes": peak_mem, "mfu": mfu(tokens_per_step / dt, flops_token, peak, n_gpus),
             "global_batch_size": loader.global_batch, "tokens_per_step": tokens_per_step,
             "world_size": ctx.world_size, "segment": segment, "time": time.time(),
         }

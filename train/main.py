@@ -107,9 +107,12 @@ def after_interruption(cfg, run_dir: Path, info: dict, log) -> None:
                         f"{cfg.cluster.max_requeues} reached after {kind}", **fields)
         log.info(f"{kind}: checkpoint committed; not requeued (cap {cfg.cluster.max_requeues} reached)")
     else:
+        # run.json first: the requeue may kill this process before it returns.
         update_run_json(run_dir, status="requeued", last_interruption=kind, **fields)
         error = preempt.requeue(job)
         log.info(f"{kind}: checkpoint committed; requeue of job {job}: {error or 'ok'}")
+        if error:  # e.g. the job was cancelled: it will not come back by itself
+            update_run_json(run_dir, status="interrupted", requeue_error=error)
 
 
 def main(argv: list[str] | None = None) -> int:

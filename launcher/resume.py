@@ -1,0 +1,44 @@
+"""``python -m launcher.resume RUN_DIR [--wait]``: start an unfinished run again.
+
+Uses the run's own ``config.yaml`` (not a new composition), so the job is the one that
+was interrupted; the tasks resume from its newest committed checkpoint. A completed run
+is reported, not retrained. Exit 2 on a bad run directory.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from launcher import app
+from launcher.summary import summary_lines
+from train.config import ConfigError, to_run_config
+from train.rundir import CONFIG
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.resume", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--wait", action="store_true", help="block until the job ends and print its summary")
+    args = parser.parse_args(argv)
+    run_dir = args.run_dir.resolve()
+    if not (run_dir / CONFIG).is_file():
+        print(f"error: RUN_DIR={run_dir}: no {CONFIG} there; pass a run directory made by `python -m launcher`",
+              file=sys.stderr)
+        return 2
+    try:
+        cfg = to_run_config(run_dir / CONFIG)
+        layout, slurm_conf = app.check(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    reason = app.already_done(cfg, run_dir, slurm_conf)
+    if reason:
+        print(f"{reason}; nothing submitted")
+        print("\n".join(summary_lines(run_dir)))
+        return 0
+    return app.launch(cfg, layout, run_dir, slurm_conf, label=f"resume {run_dir.name}", wait=args.wait)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

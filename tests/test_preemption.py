@@ -1,0 +1,121 @@
+"""Preemption on the real local Slurm cluster: USR2, partition preemption, time limit.
+
+Every interrupted run must end with the same per-step losses as an uninterrupted run
+of the same config (bitwise: fp32 DDP on CPU), with the interruptions counted in
+run.json and every segment's metrics kept.
+"""
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import launcher, run_dir_of
+from train.rundir import read_metrics, read_run_json
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+ARGS = ["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=2", "train.steps=24",
+        "train.seq_len=32", "data.num_tokens=50000"]
+
+
+def by_step(run_dir: Path) -> dict:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+
+
+def submit(tmp_path: Path, env: dict, extra: list) -> tuple[str, Path]:
+    proc = launcher(ARGS + extra, cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = next(line.split()[2] for line in proc.stdout.splitlines() if line.startswith("submitted job"))
+    return job, run_dir_of(proc.stdout)
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def steps_logged(run_dir: Path) -> int:
+    return len(read_metrics(run_dir))
+
+
+def final_status(run_dir: Path, statuses=("completed", "stopped", "failed")):
+    status = read_run_json(run_dir).get("status")
+    return status if status in statuses else None
+
+
+def job_gone(job: str, env: dict) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout
+    return not out.strip()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, slurm_cluster):
+    """The uninterrupted curve, on the same 2 x 2 layout."""
+    work = tmp_path_factory.mktemp("reference")
+    proc = launcher(ARGS + ["launcher.wait=true"], cwd=work, env=slurm_cluster, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return by_step(run_dir_of(proc.stdout))
+
+
+def test_usr2_checkpoints_requeues_and_resumes_exactly(tmp_path, slurm_cluster, reference):
+    job, run_dir = submit(tmp_path, slurm_cluster, ["fault.step_delay_s=0.4"])
+    wait_until(lambda: steps_logged(run_dir) >= 4, 120, "4 steps")
+    subprocess.run(["scancel", "--signal=USR2", job], env=slurm_cluster, check=True)
+    assert wait_until(lambda: final_status(run_dir), 240, "the run to finish") == "completed"
+    info = read_run_json(run_dir)
+    assert (info["preemptions"], info.get("timeouts", 0), info["segments"]) == (1, 0, 2)
+    assert info["job_id"] == job and info["restart_count"] == 1
+    assert by_step(run_dir) == reference
+    segments = [r["segment"] for r in read_metrics(run_dir)]
+    assert segments == sorted(segments) and set(segments) == {0, 1}
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "preemption: checkpoint committed; requeue of job" in log and "resumed from step" in log
+
+
+def test_partition_preemption_requeues_and_resumes(tmp_path, slurm_cluster, reference):
+    job, run_dir = submit(tmp_path, slurm_cluster, ["fault.step_delay_s=0.4"])
+    wait_until(lambda: steps_logged(run_dir) >= 4, 120, "4 steps")
+    # A job in the high-priority partition that needs every node preempts the low one.
+    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N", "4", "--ntasks-per-node=4",
+                           "--output=/dev/null", "--wrap", "sleep 3"], env=slurm_cluster, check=True,
+                          capture_output=True, text=True).stdout.strip()
+    wait_until(lambda: job_gone(high, slurm_cluster), 120, "the high-priority job")
+    assert wait_until(lambda: final_status(run_dir), 240, "the preempted run to finish") == "completed"
+    info = read_run_json(run_dir)
+    assert info["preemptions"] >= 1 and info["segments"] >= 2
+    assert by_step(run_dir) == reference
+    acct = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"], env=slurm_cluster,
+                          capture_output=True, text=True).stdout.split()
+    assert acct[-1] == "COMPLETED" and any(s in ("PREEMPTED", "REQUEUED") for s in acct[:-1]), acct
+
+
+def test_time_limit_is_a_timeout_and_the_cap_stops_it(tmp_path, slurm_cluster):
+    # 1 minute limit, signal 30 s before it; never finishes; one requeue allowed.
+    job, run_dir = submit(tmp_path, slurm_cluster, ["train.steps=100000", "fault.step_delay_s=0.2",
+                                                    "cluster.time_min=1", "cluster.signal_delay_s=30",
+                                                    "cluster.max_requeues=1"])
+    assert wait_until(lambda: final_status(run_dir), 300, "two timeouts") == "stopped"
+    info = read_run_json(run_dir)
+    assert info["timeouts"] == 2 and info.get("preemptions", 0) == 0 and info["segments"] == 2
+    assert "requeue cap" in info["stop_reason"]
+    wait_until(lambda: job_gone(job, slurm_cluster), 60, "the job to leave the queue")
+    rows = read_metrics(run_dir)
+    first_segment_end = max(r["step"] for r in rows if r["segment"] == 0)
+    assert min(r["step"] for r in rows if r["segment"] == 1) == first_segment_end + 1  # nothing lost
+    # Re-running the command of a capped run resumes it rather than starting over.
+    resumed = launcher(ARGS + ["train.steps=100000", "fault.step_delay_s=0.2", "cluster.time_min=1",
+                               "cluster.signal_delay_s=30", "cluster.max_requeues=1"], cwd=tmp_path,
+                       env=slurm_cluster, timeout=60)
+    assert resumed.returncode == 0 and run_dir_of(resumed.stdout) == run_dir
+    new_job = next(line.split()[2] for line in resumed.stdout.splitlines() if line.startswith("submitted job"))
+    wait_until(lambda: read_run_json(run_dir).get("segments") == 3, 120, "the third segment")
+    subprocess.run(["scancel", new_job], env=slurm_cluster)
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert log.count("resumed from step") == 2
