@@ -50,6 +50,12 @@ def final_status(run_dir: Path, statuses=("completed", "stopped", "failed")):
     return status if status in statuses else None
 
 
+def sacct_states(job: str, env: dict) -> list:
+    """Every attempt's state (-D keeps requeued attempts), oldest first."""
+    return subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"], env=env,
+                          capture_output=True, text=True).stdout.split()
+
+
 def job_gone(job: str, env: dict) -> bool:
     out = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout
     return not out.strip()
@@ -91,8 +97,8 @@ def test_partition_preemption_requeues_and_resumes(tmp_path, slurm_cluster, refe
     info = read_run_json(run_dir)
     assert info["preemptions"] >= 1 and info["segments"] >= 2
     assert by_step(run_dir) == reference
-    acct = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"], env=slurm_cluster,
-                          capture_output=True, text=True).stdout.split()
+    acct = wait_until(lambda: (lambda states: states if states and states[-1] != "RUNNING" else None)(
+        sacct_states(job, slurm_cluster)), 60, "accounting to record the end")
     assert acct[-1] == "COMPLETED" and any(s in ("PREEMPTED", "REQUEUED") for s in acct[:-1]), acct
 
 
@@ -115,7 +121,7 @@ def test_time_limit_is_a_timeout_and_the_cap_stops_it(tmp_path, slurm_cluster):
                        env=slurm_cluster, timeout=60)
     assert resumed.returncode == 0 and run_dir_of(resumed.stdout) == run_dir
     new_job = next(line.split()[2] for line in resumed.stdout.splitlines() if line.startswith("submitted job"))
-    wait_until(lambda: read_run_json(run_dir).get("segments") == 3, 120, "the third segment")
+    log = run_dir / "logs" / "rank0.log"
+    wait_until(lambda: log.read_text().count("resumed from step") == 2, 120, "the third segment to resume")
     subprocess.run(["scancel", new_job], env=slurm_cluster)
-    log = (run_dir / "logs" / "rank0.log").read_text()
-    assert log.count("resumed from step") == 2
+    assert read_run_json(run_dir)["segments"] == 3
