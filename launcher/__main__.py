@@ -26,7 +26,7 @@ def _hydra_entry(dcfg: DictConfig) -> None:
     multirun = hc.mode == RunMode.MULTIRUN
     label = f"#{hc.job.num} " + (" ".join(hc.overrides.task) or "defaults") if multirun else \
         (" ".join(hc.overrides.task) or "defaults")
-    code = app.run_point(dcfg, Path(hc.runtime.output_dir).resolve(), multirun, label)
+    code = app.run_point(dcfg, Path(hc.runtime.output_dir).resolve(), multirun, label, list(hc.overrides.task))
     if not multirun and code:
         sys.exit(code)
     app.STATE.exit_code = max(app.STATE.exit_code, 0 if code == 2 else code)

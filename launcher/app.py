@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from launcher import local, submit
+from launcher import local, registry, submit
 from launcher.rundir import write_provenance
 from launcher.summary import summary_lines
 from slurm import query
@@ -69,7 +69,12 @@ def already_done(cfg: RunConfig, run_dir: Path, slurm_conf: Optional[str]) -> Op
     return None
 
 
-def run_point(dcfg, run_dir: Path, multirun: bool, label: str) -> int:
+def run_point(dcfg, run_dir: Path, multirun: bool, label: str, overrides: List[str]) -> int:
+    def note(event: str, **fields) -> None:  # a sweep's registry (launcher.registry)
+        if multirun:
+            registry.record(run_dir.parent, run_dir.name, event, overrides=overrides, run_dir=str(run_dir),
+                            **fields)
+
     try:
         cfg = to_run_config(dcfg)
         layout, slurm_conf = check(cfg)
@@ -77,12 +82,15 @@ def run_point(dcfg, run_dir: Path, multirun: bool, label: str) -> int:
         if multirun:
             print(f"skipped point {label}: {exc}", file=sys.stderr)
             STATE.skipped.append(label)
+            if not dcfg.launcher.dry_run:
+                note("skipped", reason=str(exc))
             return 2
         print(f"error: {exc}", file=sys.stderr)
         return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     reason = None if cfg.launcher.dry_run else already_done(cfg, run_dir, slurm_conf)
     if reason:
+        note("unchanged", reason=reason, job_id=read_run_json(run_dir).get("job_id"))
         print(f"{label}: {reason}; nothing submitted (use launcher.run_dir=NEW_DIR for a new run)")
         print("\n".join(summary_lines(run_dir)))
         return 0
@@ -102,7 +110,12 @@ def run_point(dcfg, run_dir: Path, multirun: bool, label: str) -> int:
         print(f"dry run: nothing submitted\nrun_dir: {run_dir}")
         return 0
 
-    return launch(cfg, layout, run_dir, slurm_conf, label, wait=cfg.launcher.wait and not multirun)
+    code = launch(cfg, layout, run_dir, slurm_conf, label, wait=cfg.launcher.wait and not multirun)
+    info = read_run_json(run_dir)
+    note("submitted", job_id=info.get("job_id"), nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node,
+         strategy=cfg.strategy.name, model=cfg.model.name, cluster=cfg.cluster.name,
+         slurm_conf=slurm_conf)
+    return code
 
 
 def launch(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[str], label: str,

@@ -1,6 +1,9 @@
 # Shared settings and helpers for the local Slurm cluster scripts (up/down/status/env).
 # Sourced, never executed. Everything this cluster owns lives under ONE directory,
 # ${LOCALSLURM_DIR:-/tmp/localslurm}; nothing is written to /etc, /run or /var.
+# Knobs (environment): LOCALSLURM_DIR, LOCALSLURM_CTLD_PORT / _DBD_PORT / _SLURMD_PORT
+# (a second instance beside the first needs other ports), LOCALSLURM_TIMEOUT (up.sh
+# readiness, s), LOCALSLURM_DRAIN_TIMEOUT / _TERM_TIMEOUT (down.sh, s).
 
 LS_SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
@@ -99,9 +102,9 @@ ls_all_pids() {
   local p comm
   for p in /proc/[0-9]*; do
     p=${p#/proc/}
-    read -r comm <"/proc/$p/comm" 2>/dev/null || continue
+    { read -r comm <"/proc/$p/comm"; } 2>/dev/null || continue
     case $comm in
-      munged|mariadbd|mysqld|slurmdbd|slurmctld|slurmd|slurmstepd)
+      munged|mariadbd|mysqld|slurmdbd|slurmctld|slurmscriptd|slurmd|slurmstepd)
         ls_running "$p" && ls_is_ours "$p" && echo "$p" ;;
     esac
   done
@@ -114,7 +117,7 @@ ls_all_pids() {
 # never: a zombie answers kill -0 but is dead.
 ls_running() {
   local stat
-  read -r stat <"/proc/$1/stat" 2>/dev/null || return 1
+  { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 1
   stat=${stat##*) }          # fields after "(comm) "; the first is the state
   [ "${stat%% *}" != Z ]
 }

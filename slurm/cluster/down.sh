@@ -8,6 +8,7 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 t0=$(ls_now_ms)
+stopped=   # set once anything of this instance was found running
 DRAIN_TIMEOUT=${LOCALSLURM_DRAIN_TIMEOUT:-15}   # seconds for jobs to leave squeue
 TERM_TIMEOUT=${LOCALSLURM_TERM_TIMEOUT:-10}     # seconds between TERM and KILL
 
@@ -15,6 +16,7 @@ TERM_TIMEOUT=${LOCALSLURM_TERM_TIMEOUT:-10}     # seconds between TERM and KILL
 # scancel returns before the jobs are dead, and a slurmstepd can outlive a stopped
 # slurmd, so stop the daemons only once slurmctld reports no jobs left.
 if ls_alive slurmctld >/dev/null && [ -f "$SLURM_CONF" ]; then
+  stopped=1
   ids=$(timeout 10 squeue -h -o %i 2>/dev/null || true)
   if [ -n "$ids" ]; then
     # shellcheck disable=SC2086  # one argument per job id
@@ -40,6 +42,7 @@ stop() {
     pids+="$pid "
   done
   [ -n "$pids" ] || return 0
+  stopped=1
   if ! ls_wait_gone "$pids" "$TERM_TIMEOUT"; then
     ls_say "KILL after ${TERM_TIMEOUT}s: $* (pids $pids)"
     # shellcheck disable=SC2086
@@ -59,6 +62,7 @@ stop mariadb munged
 # Both TERM and KILL steps re-list the processes; job processes may fork meanwhile.
 left=$(ls_all_pids | sort -un | tr '\n' ' ')
 if [ -n "${left// /}" ]; then
+  stopped=1
   ls_say "terminating leftover processes of this instance: $left"
   # shellcheck disable=SC2086
   kill -TERM $left 2>/dev/null || true
@@ -70,5 +74,9 @@ fi
 rm -f "$LS_RUN"/*.pid "$LS_RUN"/*.uts 2>/dev/null || true
 
 t1=$(ls_now_ms)
-ls_say "down in $(( (t1 - t0) / 1000 )).$(( (t1 - t0) % 1000 / 100 ))s"
+if [ -n "$stopped" ]; then
+  ls_say "stopped in $(( (t1 - t0) / 1000 )).$(( (t1 - t0) % 1000 / 100 ))s ($LS_DIR)"
+else
+  ls_say "not running ($LS_DIR)"
+fi
 exit 0

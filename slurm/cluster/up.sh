@@ -11,6 +11,8 @@ t0=$(ls_now_ms)
 for b in munged mariadbd mariadb-install-db slurmdbd slurmctld slurmd sinfo sacct sacctmgr unshare nsenter; do
   command -v "$b" >/dev/null || ls_die "$b not found (Debian packages missing: bash slurm/cluster/install-deps.sh)"
 done
+# Per-node UTS/mount namespaces need root with CAP_SYS_ADMIN (a VM, or a privileged container).
+unshare --uts --mount true 2>/dev/null || ls_die "cannot create namespaces (unshare --uts --mount): need root with CAP_SYS_ADMIN"
 
 # ---- 1. stop a previous instance, wipe its state --------------------------------------
 bash "$LS_SCRIPTS/down.sh" >/dev/null
@@ -19,6 +21,9 @@ if [ -d "$LS_DIR" ] && [ ! -e "$LS_MARKER" ] && [ -n "$(ls -A "$LS_DIR")" ]; the
   ls_die "$LS_DIR is not empty and was not made by up.sh (no $LS_MARKER): refusing to wipe it"
 fi
 rm -rf "$LS_DIR"
+# From here on, a failure stops whatever did start (logs stay for inspection), so a
+# failed `make test` leaves no daemons behind.
+trap '[ $? -eq 0 ] || bash "$LS_SCRIPTS/down.sh" >/dev/null 2>&1' EXIT
 mkdir -p "$LS_ETC" "$LS_LOG" "$LS_RUN" "$LS_MUNGE" "$LS_SPOOL/ctld" "$LS_MYSQL"
 for n in "${LS_NODES[@]}"; do mkdir -p "$LS_SPOOL/$n"; done
 touch "$LS_MARKER"
@@ -30,6 +35,8 @@ chmod 700 "$LS_MUNGE"
 # Own datadir, no networking, private socket, root via unix-socket auth, no system
 # my.cnf (--no-defaults), so a Debian system MariaDB (if its postinst started one) is
 # neither used nor disturbed. Durability is traded for speed: this DB is throwaway.
+# Every daemon gets stdin/stdout/stderr redirected and fd 9 (our saved stderr) closed:
+# an inherited pipe would keep a caller like `up.sh | tail` or subprocess.run() waiting.
 MARIADB_OPTS=(--no-defaults --user=root --datadir="$LS_MYSQL" --socket="$LS_MYSQL_SOCK"
   --skip-networking --skip-name-resolve --skip-log-bin --performance-schema=OFF
   --innodb-buffer-pool-size=32M --innodb-log-file-size=16M
@@ -38,7 +45,8 @@ MARIADB_OPTS=(--no-defaults --user=root --datadir="$LS_MYSQL" --socket="$LS_MYSQ
 mariadb-install-db "${MARIADB_OPTS[@]}" --auth-root-authentication-method=socket --skip-test-db \
   >"$(ls_logfile mariadb-install)" 2>&1 || ls_die "mariadb-install-db failed" "$(ls_logfile mariadb-install)"
 setsid env "$LS_TAG" mariadbd "${MARIADB_OPTS[@]}" --pid-file="$(ls_pidfile mariadb)" \
-  --log-error="$(ls_logfile mariadb)" </dev/null >>"$(ls_logfile mariadb)" 2>&1 &
+  --log-error="$(ls_logfile mariadb)" </dev/null >>"$(ls_logfile mariadb)" 2>&1 9>&- &
+echo $! >"$(ls_pidfile mariadb)"   # now, not when mariadbd gets to it: an early death shows
 
 # ---- 3. configs ---------------------------------------------------------------------
 render() {  # render TEMPLATE DEST: fill in the @VAR@ placeholders
@@ -77,7 +85,7 @@ dd if=/dev/urandom of="$LS_MUNGE/munge.key" bs=1024 count=1 status=none
 chmod 400 "$LS_MUNGE/munge.key"
 env "$LS_TAG" munged --force --key-file="$LS_MUNGE/munge.key" --socket="$LS_MUNGE_SOCK" \
   --pid-file="$(ls_pidfile munged)" --log-file="$(ls_logfile munged)" \
-  --seed-file="$LS_MUNGE/munged.seed" --num-threads=4 </dev/null >>"$(ls_logfile munged)" 2>&1 \
+  --seed-file="$LS_MUNGE/munged.seed" --num-threads=4 </dev/null >>"$(ls_logfile munged)" 2>&1 9>&- \
   || ls_die "munged did not start" "$(ls_logfile munged)"
 
 # wait_for WHAT LOG DAEMON COMMAND...: poll COMMAND (quietly) until it succeeds; die
@@ -98,7 +106,7 @@ wait_for "the munge socket" "$(ls_logfile munged)" munged test -S "$LS_MUNGE_SOC
 # ---- 5. slurmdbd (needs MariaDB), then register the cluster ---------------------------
 wait_for "MariaDB's socket" "$(ls_logfile mariadb)" mariadb test -S "$LS_MYSQL_SOCK"
 t_db=$(ls_now_ms)
-env "$LS_TAG" MYSQL_UNIX_PORT="$LS_MYSQL_SOCK" slurmdbd </dev/null >>"$(ls_logfile slurmdbd)" 2>&1 \
+env "$LS_TAG" MYSQL_UNIX_PORT="$LS_MYSQL_SOCK" slurmdbd </dev/null >>"$(ls_logfile slurmdbd)" 2>&1 9>&- \
   || ls_die "slurmdbd did not start" "$(ls_logfile slurmdbd)"
 # First start creates the schema; sacctmgr answers once slurmdbd listens.
 wait_for "slurmdbd to answer" "$(ls_logfile slurmdbd)" slurmdbd sacctmgr -n list cluster
@@ -108,7 +116,7 @@ sacctmgr -n -P list cluster format=cluster | grep -qx "$LS_CLUSTER" \
 t_dbd=$(ls_now_ms)
 
 # ---- 6. slurmctld and the compute nodes ----------------------------------------------
-env "$LS_TAG" slurmctld -f "$SLURM_CONF" </dev/null >>"$(ls_logfile slurmctld)" 2>&1 \
+env "$LS_TAG" slurmctld -f "$SLURM_CONF" </dev/null >>"$(ls_logfile slurmctld)" 2>&1 9>&- \
   || ls_die "slurmctld did not start" "$(ls_logfile slurmctld)"
 for n in "${LS_NODES[@]}"; do
   # Each node gets its own UTS + mount namespace: hostname nodeK and a bind-mounted
@@ -120,7 +128,7 @@ for n in "${LS_NODES[@]}"; do
       hostname "$1" && mount --bind "$2" /etc/hosts || exit 1
       echo "$1 $(readlink /proc/self/ns/uts)" >"$3"
       exec slurmd -N "$1" -f "$4"' sh "$n" "$LS_ETC/hosts-$n" "$LS_RUN/$n.uts" "$SLURM_CONF" \
-    </dev/null >>"$LS_LOG/slurmd-$n.log" 2>&1 || ls_die "slurmd $n did not start" "$LS_LOG/slurmd-$n.log"
+    </dev/null >>"$LS_LOG/slurmd-$n.log" 2>&1 9>&- || ls_die "slurmd $n did not start" "$LS_LOG/slurmd-$n.log"
 done
 
 # ---- 7. ready when all nodes are idle and sacct answers -------------------------------
