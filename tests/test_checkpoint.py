@@ -101,3 +101,13 @@ def test_signal_interrupts_and_rerun_resumes(tmp_path, reference):
     assert f"resumed from step {stopped_at}" in (run_dir / "logs" / "rank0.log").read_text()
     assert by_step(run_dir) == by_step(reference)
     assert read_run_json(run_dir)["status"] == "completed" and read_run_json(run_dir)["segments"] == 2
+
+
+def test_async_save_commits_and_does_not_change_training(tmp_path, reference):
+    proc = launcher(BASE + ["checkpoint.async_save=true"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = run_dir_of(proc.stdout)
+    root = run_dir / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000008"]
+    assert all(verify(p) is None for p in root.glob("step_*"))
+    assert by_step(run_dir) == by_step(reference)

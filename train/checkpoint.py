@@ -23,11 +23,12 @@ import os
 import random
 import shutil
 import signal
+import threading
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -117,13 +118,29 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 
 @dataclass
 class Checkpointer:
-    """Saves and restores one run's engine + loader state; collective (every rank calls)."""
+    """Saves and restores one run's engine + loader state; collective (every rank calls).
+
+    ``save(..., blocking=False)`` (torch engines) stages the state in memory and writes it
+    in a background thread through DCP's ``async_save`` on a separate gloo group, so the
+    training loop only stalls for the staging copy. DCP's last phase gathers every rank's
+    write results on rank 0, so when rank 0's future is done every shard is on disk:
+    rank 0 then commits in a background thread (checksums, rename, ``latest``). A later
+    save, a preemption save and the end of training wait for a pending one first.
+    """
 
     root: Path
     rank: int
     keep: int = 3
 
-    def save(self, engine, step: int, extra: Dict[str, Any], kill_before_commit: bool = False) -> Path:
+    def __post_init__(self) -> None:
+        self._pending: Optional[Tuple[Any, Path, Path, int]] = None  # future, tmp, final, step
+        self._committer: Optional[threading.Thread] = None
+        self._async_group = None
+        self.last_save_s = 0.0
+
+    def save(self, engine, step: int, extra: Dict[str, Any], kill_before_commit: bool = False,
+             blocking: bool = True) -> Path:
+        self.wait()
         t0 = time.perf_counter()
         final = self.root / step_name(step)
         tmp = self.root / f".tmp-{step_name(step)}"
@@ -132,29 +149,63 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         dist.barrier()
-        _engine_save(engine, tmp)
         torch.save({"step": step, "rng": rng_state(), **extra}, tmp / f"extra_rank{self.rank}.pt")
+        if not blocking and not hasattr(engine, "ds"):
+            import torch.distributed.checkpoint as dcp
+
+            if self._async_group is None:
+                self._async_group = dist.new_group(backend="gloo")
+            future = dcp.async_save({"app": _AppState(engine)}, storage_writer=_writer(tmp / "dcp"),
+                                    process_group=self._async_group)
+            self._pending = (future, tmp, final, step)
+            self.last_save_s = time.perf_counter() - t0  # the stall
+            return final
+        _engine_save(engine, tmp)
         dist.barrier()
         if kill_before_commit:  # fault injection (tests): die with the shards written, uncommitted
             os.kill(os.getpid(), signal.SIGKILL)
         if self.rank == 0:
-            files = {str(p.relative_to(tmp)): [p.stat().st_size, _crc32(p)] for p in _files(tmp)}
-            manifest = tmp / MANIFEST
-            manifest.write_text(json.dumps({"step": step, "time": time.time(), "files": files}, indent=1))
-            with open(manifest) as f:
-                os.fsync(f.fileno())
-            if final.exists():  # a re-save of the same step (e.g. resumed and preempted at once)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            pointer = self.root / f".{LATEST}.tmp"
-            pointer.write_text(final.name + "\n")
-            os.replace(pointer, self.root / LATEST)
-            _fsync_dir(self.root)
-            self._prune()
+            self._commit(tmp, final, step)
         dist.barrier()
         self.last_save_s = time.perf_counter() - t0
         return final
+
+    def poll(self) -> None:
+        """Non-blocking: commit a finished async save (rank 0, in the background)."""
+        if self._pending is None or not self._pending[0].done():
+            return
+        future, tmp, final, step = self._pending
+        self._pending = None
+        future.result()  # re-raise a failed write
+        if self.rank == 0:
+            self._committer = threading.Thread(target=self._commit, args=(tmp, final, step), daemon=False)
+            self._committer.start()
+
+    def wait(self) -> None:
+        """Block until a pending async save is written and committed (collective)."""
+        if self._pending is not None:
+            self._pending[0].result()
+            self.poll()
+            dist.barrier()
+        if self._committer is not None:
+            self._committer.join()
+            self._committer = None
+
+    def _commit(self, tmp: Path, final: Path, step: int) -> None:
+        files = {str(p.relative_to(tmp)): [p.stat().st_size, _crc32(p)] for p in _files(tmp)}
+        manifest = tmp / MANIFEST
+        manifest.write_text(json.dumps({"step": step, "time": time.time(), "files": files}, indent=1))
+        with open(manifest) as f:
+            os.fsync(f.fileno())
+        if final.exists():  # a re-save of the same step (e.g. resumed and preempted at once)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        pointer = self.root / f".{LATEST}.tmp"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, self.root / LATEST)
+        _fsync_dir(self.root)
+        self._prune()
 
     def _prune(self) -> None:
         for old in committed_steps(self.root)[self.keep:]:
@@ -187,7 +238,14 @@ def _engine_save(engine, path: Path) -> None:
         return
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"app": _AppState(engine)}, checkpoint_id=str(path / "dcp"))
+    dcp.save({"app": _AppState(engine)}, storage_writer=_writer(path / "dcp"))
+
+
+def _writer(path: Path):
+    """DCP's file writer: one file per rank, fsynced (needed for the commit protocol)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
 
 
 def _engine_load(engine, path: Path) -> None:

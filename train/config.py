@@ -176,6 +176,9 @@ class CheckpointConfig:
     every_minutes: float = 0.0
     # Committed checkpoints kept (older ones are deleted after a new one commits).
     keep: int = 2
+    # Periodic saves write in the background (torch engines; the loop stalls only to copy
+    # the state to memory). Saves on preemption are always synchronous.
+    async_save: bool = False
 
 
 @dataclass

@@ -92,11 +92,16 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
         every = cfg.checkpoint.every_steps
         if preempted or save_due or (every and (step + 1) % every == 0 and step + 1 < cfg.train.steps):
             fault_kill = cfg.fault.kill_in_save_at_step == step + 1
-            ckpt.save(engine, step + 1, {"loader": loader.state_dict()}, kill_before_commit=fault_kill)
+            background = cfg.checkpoint.async_save and not preempted
+            ckpt.save(engine, step + 1, {"loader": loader.state_dict()}, kill_before_commit=fault_kill,
+                      blocking=not background)
             last_save = time.monotonic()
-            log(f"checkpoint step {step + 1} committed in {ckpt.last_save_s:.2f} s")
+            log(f"checkpoint step {step + 1} {'started' if background else 'committed'} in "
+                f"{ckpt.last_save_s:.2f} s")
             if preempted:
                 return "interrupted"
+        ckpt.poll()
         if cfg.fault.step_delay_s:
             time.sleep(cfg.fault.step_delay_s)
+    ckpt.wait()
     return "completed"
