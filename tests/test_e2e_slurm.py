@@ -72,3 +72,31 @@ def test_rerun_of_a_completed_run_submits_nothing(tmp_path, slurm_cluster):
     again = launcher(args, cwd=tmp_path, env=slurm_cluster, timeout=60)
     assert again.returncode == 0 and "already completed" in again.stdout
     assert "submitted job" not in again.stdout
+
+
+def test_hostile_names_reach_the_job_quoted(tmp_path, slurm_cluster):
+    run_dir = tmp_path / "it's a $(touch pwned); x"
+    quoted = str(run_dir).replace("'", "\\'")  # Hydra's escape for a quote inside a quoted value
+    proc = launcher(["+cluster=localslurm", "cluster.nodes=1", "train.steps=2", f"launcher.run_dir='{quoted}'",
+                     "launcher.job_name='a b;$(touch pwned2)'", "+cluster.env.WEIRD='x \"y\" $(touch pwned3)'",
+                     "launcher.wait=true"], cwd=tmp_path, env=slurm_cluster, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert read_run_json(run_dir)["status"] == "completed"
+    assert not list(tmp_path.rglob("pwned*")) and not list(run_dir.rglob("pwned*"))
+    job = read_run_json(run_dir)["job_id"]
+    name = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "JobName"], env=slurm_cluster,
+                          capture_output=True, text=True).stdout.split("\n")[0]
+    assert name == "a b;$(touch pwned2)"
+
+
+def test_hang_on_two_nodes_names_the_node(tmp_path, slurm_cluster):
+    proc = launcher(["+cluster=localslurm", "cluster.nodes=2", "train.steps=50", "cluster.hang_timeout_s=5",
+                     "fault.hang_rank=3", "fault.hang_at_step=3", "launcher.wait=true"], cwd=tmp_path,
+                    env=slurm_cluster, timeout=300)
+    assert proc.returncode != 0
+    run_dir = run_dir_of(proc.stdout)
+    import json
+
+    report = json.loads((run_dir / "hang.json").read_text())
+    assert report["stuck_ranks"] == [3] and report["stuck_hosts"] == ["node2"]
+    assert read_run_json(run_dir)["failure"] == "hang"

@@ -50,6 +50,10 @@ class ClusterConfig:
     time_min: int = 60
     # Slurm sends the user signal (USR2) this many seconds before the time limit.
     signal_delay_s: int = 120
+    # A step that does not complete within this many seconds is a hang: stacks are dumped,
+    # hang.json names the stuck ranks, the job exits (train/watchdog.py). 0 disables.
+    # Keep it below train.dist_timeout_s and above the slowest step (compile, checkpoint).
+    hang_timeout_s: int = 300
     # How many times a run may be requeued after preemption or time limit before it stops.
     max_requeues: int = 3
     # Shell lines run in the batch script before srun (module loads, venv activation).
@@ -190,6 +194,11 @@ class FaultConfig:
     # SIGKILL every rank in the middle of the save at this step (after the shards are
     # written, before the commit); 0 = off.
     kill_in_save_at_step: int = 0
+    # This rank sleeps hang_s seconds at step hang_at_step, just before the step's
+    # collective, so the others wait inside it: a hang. -1 / 0 = off.
+    hang_rank: int = -1
+    hang_at_step: int = 0
+    hang_s: float = 3600.0
 
 
 @dataclass

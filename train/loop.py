@@ -17,6 +17,7 @@ from train.model import build_model
 from train.checkpoint import Checkpointer
 from train.parallelize import parallelize
 from train.preempt import PreemptionFlag
+from train.watchdog import COLLECTIVE, Watchdog
 from train.rundir import append_metrics
 
 
@@ -31,7 +32,7 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 
 def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segment: int, log,
-          flag: PreemptionFlag, ckpt: Checkpointer) -> str:
+          flag: PreemptionFlag, ckpt: Checkpointer, watchdog: Watchdog) -> str:
     """Train up to cfg.train.steps, resuming from the newest committed checkpoint.
 
     Returns "completed", or "interrupted" after a signal (checkpoint saved and committed).
@@ -56,8 +57,10 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
     n_gpus = ctx.world_size if ctx.device.type == "cuda" or cfg.cluster.accelerator == "gpu" else 0
     peak = cfg.cluster.peak_tflops_bf16 if n_gpus else None
     last_save = time.monotonic()
+    watchdog.progress(loader.state.step)
     for step in range(loader.state.step, cfg.train.steps):
         t0 = time.perf_counter()
+        watchdog.phase("compute", step)
         lr = lr_at(step, cfg)
         loss, grad_norm = engine.train_step(loader.next_step(), lr)
         # One small all-gather per step carries each rank's loss, grad norm, peak memory,
@@ -69,7 +72,12 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
         local = torch.tensor([loss.item(), grad_norm.item(), peak_memory_bytes(ctx.device), float(flag.is_set),
                               float(minutes_due)], dtype=torch.float64, device=loss.device)
         gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
+        if ctx.rank == cfg.fault.hang_rank and step + 1 == cfg.fault.hang_at_step:
+            watchdog.phase("fault: sleeping before the collective", step)
+            time.sleep(cfg.fault.hang_s)
+        watchdog.phase(COLLECTIVE, step)
         dist.all_gather(gathered, local)
+        watchdog.progress(step + 1)
         table = torch.stack(gathered).cpu()
         loss_value = float(table[:, 0].sum() / ctx.world_size)  # = loss of the global batch
         norm_value = float(table[:, 1].sum() / ctx.world_size)
@@ -92,10 +100,12 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
         every = cfg.checkpoint.every_steps
         if preempted or save_due or (every and (step + 1) % every == 0 and step + 1 < cfg.train.steps):
             fault_kill = cfg.fault.kill_in_save_at_step == step + 1
+            watchdog.phase("checkpoint", step + 1)
             background = cfg.checkpoint.async_save and not preempted
             ckpt.save(engine, step + 1, {"loader": loader.state_dict()}, kill_before_commit=fault_kill,
                       blocking=not background)
             last_save = time.monotonic()
+            watchdog.progress(step + 1)
             log(f"checkpoint step {step + 1} {'started' if background else 'committed'} in "
                 f"{ckpt.last_save_s:.2f} s")
             if preempted:

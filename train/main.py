@@ -13,6 +13,7 @@ from train.config import to_run_config, validate
 from train.layout import build_layout
 from train.checkpoint import Checkpointer
 from train.preempt import PreemptionFlag
+from train.watchdog import Watchdog
 from train.rundir import CONFIG, read_run_json, update_run_json
 
 # Statuses after which a (re)started job does nothing: resubmission resets them.
@@ -76,13 +77,22 @@ def run(run_dir: str | Path) -> int:
                         strategy=cfg.strategy.name, launcher=ctx.launcher, backend=ctx.backend,
                         started_at=time.time(), restart_count=ctx.restart_count)
     ckpt = Checkpointer(run_dir / "checkpoints", ctx.rank, keep=cfg.checkpoint.keep)
+
+    def on_hang(report: dict) -> None:
+        update_run_json(run_dir, status="failed", failure="hang", ended_at=time.time(),
+                        error=f"hang: no step completed in {report['timeout_s']} s; stuck ranks "
+                              f"{report['stuck_ranks']} on {', '.join(report['stuck_hosts'])} (hang.json)")
+
+    watchdog = Watchdog(run_dir, ctx.rank, ctx.node_rank, ctx.hostname, ctx.world_size,
+                        cfg.cluster.hang_timeout_s, on_hang=on_hang).start()
     try:
-        outcome = train(cfg, layout, ctx, run_dir, segment, log.info, flag, ckpt)
+        outcome = train(cfg, layout, ctx, run_dir, segment, log.info, flag, ckpt, watchdog)
     except BaseException as exc:
         log.error("training failed: %s\n%s", exc, traceback.format_exc())
         if ctx.is_main:
             update_run_json(run_dir, status="failed", error=f"{type(exc).__name__}: {exc}", ended_at=time.time())
         raise
+    watchdog.stop()
     if ctx.is_main:
         if outcome == "completed":
             update_run_json(run_dir, status="completed", ended_at=time.time())

@@ -1,0 +1,45 @@
+"""The hang watchdog: a rank that never reaches the step's collective is named."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conftest import launcher, run_dir_of
+from train.rundir import read_run_json
+from train.watchdog import COLLECTIVE, stuck_ranks
+
+
+def beat(rank, phase=COLLECTIVE, step=5):
+    return {"rank": rank, "phase": phase, "step": step}
+
+
+@pytest.mark.parametrize("beats,stuck", [
+    ([beat(0), beat(1, "compute"), beat(2), beat(3)], [1]),           # never arrived
+    ([beat(0), beat(1), beat(2, step=4), beat(3)], [2]),              # all waiting, one behind
+    ([beat(0, "compute"), beat(1, "compute")], [0, 1]),               # nobody in a collective
+    ([beat(0), beat(1)], [0, 1]),                                      # true deadlock: unknown
+    ([], []),
+])
+def test_stuck_ranks(beats, stuck):
+    assert stuck_ranks(beats) == stuck
+
+
+@pytest.mark.slow
+def test_sleeping_rank_is_detected_and_named(tmp_path):
+    t0 = time.time()
+    proc = launcher(["train.steps=50", "cluster.gpus_per_node=2", "cluster.hang_timeout_s=4", "fault.hang_rank=1",
+                     "fault.hang_at_step=3"], cwd=tmp_path, timeout=120)
+    elapsed = time.time() - t0
+    assert proc.returncode != 0
+    run_dir = run_dir_of(proc.stdout)
+    report = json.loads((run_dir / "hang.json").read_text())
+    assert report["stuck_ranks"] == [1] and report["timeout_s"] == 4
+    phases = {b["rank"]: b["phase"] for b in report["ranks"]}
+    assert phases[0] == COLLECTIVE and phases[1].startswith("fault")
+    info = read_run_json(run_dir)
+    assert info["status"] == "failed" and info["failure"] == "hang" and "stuck ranks [1]" in info["error"]
+    for rank in (0, 1):
+        assert "in train" in (run_dir / "logs" / f"stack_rank{rank}.txt").read_text()
+    assert elapsed < 60  # the job ended by itself, long before the 3600 s sleep

@@ -1,0 +1,116 @@
+"""Hang watchdog: detect a step that never ends, name the ranks that hold it up, exit.
+
+Every rank runs a small thread that, once a second, writes the rank's heartbeat
+(``RUN_DIR/heartbeat/rank{R}.json``: step, phase, host, last progress) and checks how
+long ago the rank last completed a step. The main thread only sets two attributes per
+phase, so the cost is nil. When no step has completed for ``cluster.hang_timeout_s``:
+
+1. each rank dumps the Python stack of all its threads to ``logs/stack_rank{R}.txt``
+   (faulthandler; on NCCL, torch's flight recorder dumps too when
+   ``TORCH_NCCL_DUMP_ON_TIMEOUT`` is set in the cluster's env);
+2. after a short grace for the others to do the same, the first rank to get there
+   writes ``hang.json``: every rank's last heartbeat, and the *stuck* ranks: those not
+   waiting in a collective (they never arrived), or, if all are waiting, those at the
+   lowest step;
+3. every rank exits with status 75, so the run is classified as a hang (run.json
+   ``status: failed``, ``error: hang ...``) and requeued only per policy.
+
+The watchdog must fire before the collective timeout (``train.dist_timeout_s``), which
+would otherwise abort with a less useful error.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+HANG_EXIT = 75
+COLLECTIVE = "collective"
+
+
+def stuck_ranks(beats: List[Dict[str, Any]]) -> List[int]:
+    """Ranks holding the others up: not in a collective, else the ones furthest behind."""
+    if not beats:
+        return []
+    absent = [b["rank"] for b in beats if b.get("phase") != COLLECTIVE]
+    if absent and len(absent) < len(beats):
+        return sorted(absent)
+    low = min(b.get("step", 0) for b in beats)
+    behind = [b["rank"] for b in beats if b.get("step", 0) == low]
+    return sorted(behind) if len(behind) < len(beats) else sorted(absent or behind)
+
+
+class Watchdog:
+    def __init__(self, run_dir: Path, rank: int, node: int, host: str, world_size: int, timeout_s: float,
+                 interval_s: float = 1.0, on_hang=None) -> None:
+        self.run_dir, self.rank, self.node, self.host = run_dir, rank, node, host
+        self.world_size, self.timeout_s, self.interval_s = world_size, timeout_s, interval_s
+        self.on_hang = on_hang
+        self.step, self.phase_name = 0, "startup"
+        self.last_progress = time.time()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        (run_dir / "heartbeat").mkdir(parents=True, exist_ok=True)
+
+    # Called by the training loop (main thread): plain attribute writes.
+    def phase(self, name: str, step: int) -> None:
+        self.phase_name, self.step = name, step
+
+    def progress(self, step: int) -> None:
+        self.step, self.phase_name, self.last_progress = step, "compute", time.time()
+
+    def start(self) -> "Watchdog":
+        if self.timeout_s > 0:
+            self.last_progress = time.time()
+            self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _beat(self, **extra: Any) -> Dict[str, Any]:
+        beat = {"rank": self.rank, "node": self.node, "host": self.host, "pid": os.getpid(), "step": self.step,
+                "phase": self.phase_name, "last_progress": self.last_progress, "time": time.time(), **extra}
+        path = self.run_dir / "heartbeat" / f"rank{self.rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(beat))
+        os.replace(tmp, path)
+        return beat
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._beat()
+            if time.time() - self.last_progress > self.timeout_s:
+                self._hang()
+
+    def _hang(self) -> None:
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / f"stack_rank{self.rank}.txt", "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        self._beat(hung=True)
+        time.sleep(3 * self.interval_s)  # let every rank dump and publish its heartbeat
+        beats = []
+        for r in range(self.world_size):
+            try:
+                beats.append(json.loads((self.run_dir / "heartbeat" / f"rank{r}.json").read_text()))
+            except (OSError, json.JSONDecodeError):
+                beats.append({"rank": r, "phase": "unknown (no heartbeat)", "step": -1})
+        stuck = stuck_ranks(beats)
+        report = {"detected_by": self.rank, "time": time.time(), "timeout_s": self.timeout_s, "stuck_ranks": stuck,
+                  "stuck_hosts": sorted({b.get("host", "?") for b in beats if b["rank"] in stuck}), "ranks": beats}
+        try:  # first rank to get here writes the report
+            fd = os.open(self.run_dir / "hang.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            fd = None
+        if fd is not None:
+            with os.fdopen(fd, "w") as f:
+                json.dump(report, f, indent=1)
+            if self.on_hang is not None:
+                self.on_hang(report)
+        os._exit(HANG_EXIT)
