@@ -1,4 +1,8 @@
-"""Batched Slurm queries: one ``sacct`` / ``squeue`` call for many jobs."""
+"""Batched Slurm queries: one ``sacct`` / ``squeue`` / ``scancel`` call for many jobs.
+
+Every call goes through :func:`_run`, so tests can count (or fake) the Slurm commands
+a reader issues by replacing that one function.
+"""
 from __future__ import annotations
 
 import os
@@ -7,6 +11,13 @@ import subprocess
 from typing import Dict, Iterable, List, Optional
 
 SACCT_FIELDS = ("JobID", "State", "NNodes", "NodeList", "ExitCode", "Partition", "Elapsed")
+# What status and report need from every segment of a job (one row per requeue with -D);
+# JobName and Submit tell our job from a later job that got the same id.
+HISTORY_FIELDS = ("JobID", "JobName", "State", "Submit", "Start", "End", "ExitCode", "NNodes", "NodeList",
+                  "Partition", "Reason")
+# squeue -o codes of the same fields (Submit is the last (re)queue time).
+SQUEUE_FIELDS = (("JobID", "%i"), ("State", "%T"), ("JobName", "%j"), ("Submit", "%V"), ("NNodes", "%D"),
+                 ("Reason", "%r"))
 
 
 class SlurmUnavailable(RuntimeError):
@@ -37,29 +48,73 @@ def sacct(job_ids: Iterable[str], env: Optional[Dict[str, str]] = None) -> Dict[
     ids = [str(j) for j in job_ids]
     if not ids:
         return {}
-    out = _run(["sacct", "-X", "-n", "-P", "-D", "-j", ",".join(ids), "-o", ",".join(SACCT_FIELDS)], env=env)
     rows: Dict[str, Dict[str, str]] = {}
-    for line in out.splitlines():
-        parts = line.split("|")
-        if len(parts) != len(SACCT_FIELDS):
-            continue
-        row = dict(zip(SACCT_FIELDS, parts))
+    for row in _sacct_rows(ids, SACCT_FIELDS, env):
         rows[row["JobID"]] = row  # -D lists every requeue; the last row is the newest
     return rows
 
 
-def squeue(job_ids: Iterable[str], env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """Job id -> state for the jobs still known to the controller, in one call."""
-    ids = [str(j) for j in job_ids]
+def sacct_history(job_ids: Iterable[str], env: Optional[Dict[str, str]] = None) -> Dict[str, List[Dict[str, str]]]:
+    """Every accounting row of many jobs (one per segment: ``-D`` keeps requeued ones), oldest first.
+
+    A requeued segment's row carries the requeue time as Submit; the first row keeps the
+    original submission time. Rows of an older job that had the same id come first too.
+    """
+    ids = sorted({str(j) for j in job_ids})
     if not ids:
         return {}
-    out = _run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T"], env=env)
-    states = {}
+    rows: Dict[str, List[Dict[str, str]]] = {}
+    for row in _sacct_rows(ids, HISTORY_FIELDS, env):
+        rows.setdefault(row["JobID"], []).append(row)
+    for segments in rows.values():
+        segments.sort(key=lambda r: r["Submit"])  # ISO timestamps sort as text
+    return rows
+
+
+def _sacct_rows(ids: List[str], fields: Iterable[str], env: Optional[Dict[str, str]]):
+    fields = tuple(fields)
+    out = _run(["sacct", "-X", "-n", "-P", "-D", "-j", ",".join(ids), "-o", ",".join(fields)], env=env)
     for line in out.splitlines():
-        if "|" in line:
-            job, state = line.strip().split("|", 1)
-            states[job] = state
-    return states
+        parts = line.split("|")
+        if len(parts) == len(fields):
+            yield dict(zip(fields, parts))
+
+
+def squeue_jobs(job_ids: Iterable[str], env: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, str]]:
+    """Job id -> {State, JobName, Submit, NNodes, Reason} for jobs still in the queue, in one call.
+
+    ``-r`` lists array tasks one per line. A list of only finished ids is no error here:
+    squeue exits 1 with "Invalid job id specified" for it, which means "none queued".
+    """
+    ids = sorted({str(j) for j in job_ids})
+    if not ids:
+        return {}
+    fmt = "|".join(code for _, code in SQUEUE_FIELDS)
+    try:
+        out = _run(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", fmt], env=env)
+    except SlurmUnavailable as exc:
+        if "Invalid job id" in str(exc):
+            return {}
+        raise
+    jobs: Dict[str, Dict[str, str]] = {}
+    for line in out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == len(SQUEUE_FIELDS):
+            row = dict(zip((name for name, _ in SQUEUE_FIELDS), parts))
+            jobs[row["JobID"]] = row
+    return jobs
+
+
+def squeue(job_ids: Iterable[str], env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """Job id -> state for the jobs still known to the controller, in one call."""
+    return {job: row["State"] for job, row in squeue_jobs(job_ids, env).items()}
+
+
+def scancel(job_ids: Iterable[str], env: Optional[Dict[str, str]] = None) -> None:
+    """Cancel many jobs with one scancel call."""
+    ids = sorted({str(j) for j in job_ids})
+    if ids:
+        _run(["scancel", *ids], env=env)
 
 
 def slurm_env(slurm_conf: Optional[str]) -> Dict[str, str]:
