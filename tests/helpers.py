@@ -17,3 +17,7 @@ def compose_run(overrides: list[str]) -> RunConfig:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return to_run_config(compose("config", overrides=overrides))
+
+
+def strategy_options() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml"))

@@ -75,7 +75,7 @@ def run(run_dir: str | Path) -> int:
         update_run_json(run_dir, status="running", job_id=ctx.job_id, hostnames=hostnames,
                         world_size=ctx.world_size, nodes=len(hostnames), segments=segment + 1,
                         strategy=cfg.strategy.name, launcher=ctx.launcher, backend=ctx.backend,
-                        started_at=time.time(), restart_count=ctx.restart_count)
+                        started_at=time.time(), restart_count=ctx.restart_count, error=None, failure=None)
     ckpt = Checkpointer(run_dir / "checkpoints", ctx.rank, keep=cfg.checkpoint.keep)
 
     def on_hang(report: dict) -> None:
