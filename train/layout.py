@@ -91,11 +91,14 @@ class Layout:
                 f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}")
 
 
-def _fill(degrees: Dict[str, int], world: int) -> Dict[str, int]:
-    free = [k for k, v in degrees.items() if v == -1]
+def _check_degrees(degrees: Dict[str, int]) -> None:
     for key, value in degrees.items():
         if value == 0 or value < -1:
             raise ConfigError(f"strategy.{key}={value} is invalid; use a positive degree or -1 (fill the rest)")
+
+
+def _fill(degrees: Dict[str, int], world: int) -> Dict[str, int]:
+    free = [k for k, v in degrees.items() if v == -1]
     if len(free) > 1:
         raise ConfigError(f"only one degree may be -1, got {', '.join('strategy.' + k for k in free)}=-1; "
                           "set all but one explicitly")
@@ -115,7 +118,7 @@ def _fill(degrees: Dict[str, int], world: int) -> Dict[str, int]:
 
 
 def _fmt(degrees: Dict[str, int]) -> str:
-    return " x ".join(f"{k} {v}" for k, v in degrees.items())
+    return " x ".join(f"strategy.{k}={v}" for k, v in degrees.items())
 
 
 def _check_tp(tp: int, gpus_per_node: int, domain: int, cluster: str) -> None:
@@ -139,10 +142,12 @@ def build_layout(cfg: RunConfig) -> Layout:
     if c.gpus_per_node % domain:
         raise ConfigError(f"cluster.nvlink_domain={domain} must divide cluster.gpus_per_node={c.gpus_per_node}")
     world = c.nodes * c.gpus_per_node
+    raw = {"pipeline_parallel": s.pipeline_parallel, "dp_replicate": s.dp_replicate,
+           "dp_shard": s.dp_shard, "tensor_parallel": s.tensor_parallel}
+    _check_degrees(raw)
     if s.tensor_parallel != -1:
         _check_tp(s.tensor_parallel, c.gpus_per_node, domain, c.name)  # the clearer message first
-    degrees = _fill({"pipeline_parallel": s.pipeline_parallel, "dp_replicate": s.dp_replicate,
-                     "dp_shard": s.dp_shard, "tensor_parallel": s.tensor_parallel}, world)
+    degrees = _fill(raw, world)
     tp = degrees["tensor_parallel"]
     _check_tp(tp, c.gpus_per_node, domain, c.name)
     if s.engine == "deepspeed" and degrees["pipeline_parallel"] > 1 and s.zero_stage > 1:
