@@ -2,7 +2,8 @@
 
 POINT is a point's directory name inside the sweep (Hydra's job number: 0, 1, ...).
 The jobs are found as ``launcher.status`` finds them (one squeue + one sacct call) and
-cancelled with one scancel call. A job id that Slurm now gives to another job (ids are
+cancelled with one scancel call (after one ``scontrol update Requeue=0``, so the
+trainer's preemption path cannot requeue a cancelled job). A job id that Slurm now gives to another job (ids are
 reused) is never cancelled: only queued jobs with our job name and submission time are.
 """
 from __future__ import annotations

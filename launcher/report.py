@@ -216,24 +216,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--wait", action="store_true", help="wait until every point has finished")
     parser.add_argument("--poll", type=float, default=2.0, help="seconds between Slurm queries with --wait")
     args = parser.parse_args(argv)
-    out = console()
     try:
         sweep_dir = resolve_sweep_dir(args.sweep_dir)
-        if args.wait:
-            from launcher.progress import wait_until_finished
-
-            sweep = wait_until_finished(sweep_dir, args.poll, out)
-        else:
-            sweep = collect(sweep_dir)
+        sweep = None if args.wait else collect(sweep_dir)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"stopped waiting; the jobs go on (python -m launcher.status {args.sweep_dir or ''})", file=sys.stderr)
-        return 130
-    publish(sweep, out)
-    return 0
+    if sweep is None:
+        from launcher.progress import wait_sweep
 
+        code = wait_sweep(sweep_dir, args.poll)
+        return 0 if code == 1 else code  # 1 = some point failed: the report says which, it was written
+    publish(sweep, console())
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -111,10 +111,28 @@ def squeue(job_ids: Iterable[str], env: Optional[Dict[str, str]] = None) -> Dict
 
 
 def scancel(job_ids: Iterable[str], env: Optional[Dict[str, str]] = None) -> None:
-    """Cancel many jobs with one scancel call."""
+    """Cancel many jobs for good: one ``scontrol update Requeue=0`` and one scancel call.
+
+    scancel's SIGTERM reaches the trainer's preemption path (train.preempt), which saves
+    and runs ``scontrol requeue``; Slurm requeues even a cancelled batch job, so without
+    disabling requeue first a cancelled point would come back and run to the end.
+    """
     ids = sorted({str(j) for j in job_ids})
-    if ids:
-        _run(["scancel", *ids], env=env)
+    if not ids:
+        return
+    try:
+        _run(["scontrol", "update", f"JobId={','.join(ids)}", "Requeue=0"], env=env)
+    except SlurmUnavailable:
+        pass  # e.g. one job just ended: cancelling the rest still matters more
+    _run(["scancel", *ids], env=env)
+
+
+def partition_nodes(partition: str, env: Optional[Dict[str, str]] = None) -> int:
+    """Number of nodes in a partition (one sinfo call); SlurmUnavailable if it does not exist."""
+    out = _run(["sinfo", "-h", "-p", partition, "-o", "%D"], env=env).split()
+    if not out:
+        raise SlurmUnavailable(f"partition {partition!r} does not exist")
+    return sum(int(x) for x in out if x.isdigit())
 
 
 def slurm_env(slurm_conf: Optional[str]) -> Dict[str, str]:

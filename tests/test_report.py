@@ -194,7 +194,9 @@ def test_cancel_issues_one_scancel_for_the_queued_points_only(tmp_path, monkeypa
 
     monkeypatch.setattr(query, "_run", run)
     assert cancel.main([str(sweep), "1", "3"]) == 0
-    assert scancels == [["201", "203"]] and fake.calls.count("scancel") == 1 and len(fake.calls) == 3
+    # one squeue + one sacct to find the jobs, one update to stop them requeueing, one scancel
+    assert scancels == [["201", "203"]] and fake.calls.count("scancel") == 1 and len(fake.calls) == 4
+    assert fake.calls.count("scontrol") == 1
     assert cancel.main([str(sweep), "9"]) == 2
     assert capsys.readouterr().err.strip().startswith("error: ") and len(scancels) == 1
 
