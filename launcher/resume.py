@@ -12,8 +12,24 @@ from pathlib import Path
 
 from launcher import app
 from launcher.summary import summary_lines
-from train.config import ConfigError, to_run_config
-from train.rundir import CONFIG
+from slurm.env import expand_hostlist
+from train.config import ConfigError, to_run_config, to_yaml
+from train.rundir import CONFIG, read_run_json, update_run_json
+
+
+def exclude_failed_nodes(cfg, run_dir: Path) -> None:
+    """After a node failure, keep the suspect nodes out of the next allocation."""
+    info = read_run_json(run_dir)
+    if info.get("failure") != "node_failure" or cfg.cluster.backend != "slurm":
+        return
+    bad = set(info.get("suspect_nodes", []))
+    if not bad:
+        return
+    current = set(expand_hostlist(cfg.cluster.exclude)) if cfg.cluster.exclude else set()
+    cfg.cluster.exclude = ",".join(sorted(current | bad))
+    (run_dir / CONFIG).write_text(to_yaml(cfg))
+    update_run_json(run_dir, excluded_nodes=sorted(current | bad))
+    print(f"excluding {', '.join(sorted(bad))} (node failure in the last segment)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = to_run_config(run_dir / CONFIG)
+        exclude_failed_nodes(cfg, run_dir)
         layout, slurm_conf = app.check(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

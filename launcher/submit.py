@@ -54,6 +54,16 @@ def check_slurm(cfg: RunConfig, slurm_conf: Optional[str]) -> None:
             "set cluster.slurm_conf=PATH or SLURM_CONF, or use +cluster=local"
         raise ConfigError(f"cluster={cfg.cluster.name}: no Slurm controller answers ({where}): "
                           f"{str(exc).splitlines()[0][:160]}; {hint}") from None
+    partition = cfg.cluster.partition
+    if partition:  # a job larger than its partition would pend forever
+        try:
+            total = query.partition_nodes(partition, query.slurm_env(slurm_conf))
+        except query.SlurmUnavailable as exc:
+            raise ConfigError(f"cluster.partition={partition}: {str(exc)[:160]}; pick an existing "
+                              "partition (sinfo -s)") from None
+        if cfg.cluster.nodes > total:
+            raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} exceeds the {total} nodes of partition "
+                              f"{partition}; use cluster.nodes<={total}")
 
 
 def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:

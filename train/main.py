@@ -13,7 +13,7 @@ from train.config import to_run_config, validate
 from train.layout import build_layout
 from train.checkpoint import Checkpointer
 from train.preempt import PreemptionFlag
-from train.watchdog import Watchdog
+from train.watchdog import Watchdog, classify_failure
 from train.rundir import CONFIG, read_run_json, update_run_json
 
 # Statuses after which a (re)started job does nothing: resubmission resets them.
@@ -89,8 +89,16 @@ def run(run_dir: str | Path) -> int:
         outcome = train(cfg, layout, ctx, run_dir, segment, log.info, flag, ckpt, watchdog)
     except BaseException as exc:
         log.error("training failed: %s\n%s", exc, traceback.format_exc())
-        if ctx.is_main:
-            update_run_json(run_dir, status="failed", error=f"{type(exc).__name__}: {exc}", ended_at=time.time())
+        fields = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc)[:500]}", "ended_at": time.time()}
+        if _is_comm_error(exc):  # a peer died or the network broke: find out which
+            fields.update(classify_failure(run_dir, ctx.world_size))
+            log.error("failure classified: %s", fields)
+        if ctx.is_main or "failure" in fields:  # rank 0 may be the one that died
+            update_run_json(run_dir, **fields)
+        if fields.get("failure") == "node_failure" and preempt.in_slurm_job():
+            # Slurm notices a dead node only after SlurmdTimeout; until then the job would
+            # hold the surviving nodes. End it now: the run is resumable elsewhere.
+            preempt.cancel(preempt.in_slurm_job())
         raise
     watchdog.stop()
     if ctx.is_main:
@@ -100,6 +108,12 @@ def run(run_dir: str | Path) -> int:
             after_interruption(cfg, run_dir, info[0], log)
     shutdown()
     return 0
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(k in text for k in (
+        "Connection closed by peer", "Connection reset", "gloo", "NCCL", "Broken pipe", "timed out"))
 
 
 def after_interruption(cfg, run_dir: Path, info: dict, log) -> None:

@@ -92,5 +92,12 @@ def requeue(job_id: str) -> Optional[str]:
     return None
 
 
+def cancel(job_id: str) -> None:
+    try:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
 def in_slurm_job() -> Optional[str]:
     return os.environ.get("SLURM_JOB_ID")

@@ -44,6 +44,35 @@ def stuck_ranks(beats: List[Dict[str, Any]]) -> List[int]:
     return sorted(behind) if len(behind) < len(beats) else sorted(absent or behind)
 
 
+def read_beats(run_dir: Path, world_size: int) -> List[Dict[str, Any]]:
+    beats = []
+    for r in range(world_size):
+        try:
+            beats.append(json.loads((run_dir / "heartbeat" / f"rank{r}.json").read_text()))
+        except (OSError, json.JSONDecodeError):
+            beats.append({"rank": r, "phase": "unknown (no heartbeat)", "step": -1})
+    return beats
+
+
+def classify_failure(run_dir: Path, world_size: int, interval_s: float = 1.0) -> Dict[str, Any]:
+    """After a communication error: which ranks died, and did whole nodes go?
+
+    Live ranks keep beating once a second (the watchdog thread runs on while the main
+    thread handles the error); a rank whose heartbeat stopped is dead. A node all of
+    whose ranks are dead is a suspected node failure: resubmission excludes it.
+    """
+    time.sleep(3 * interval_s)  # let live ranks publish a fresh beat
+    now = time.time()
+    beats = read_beats(run_dir, world_size)
+    dead = [b for b in beats if now - b.get("time", 0) > 2.5 * interval_s]
+    hosts: Dict[str, List[bool]] = {}
+    for b in beats:
+        hosts.setdefault(b.get("host", "?"), []).append(b in dead)
+    nodes = sorted(h for h, states in hosts.items() if all(states) and h != "?")
+    kind = "node_failure" if nodes else ("rank_failure" if dead else "communication")
+    return {"failure": kind, "dead_ranks": sorted(b["rank"] for b in dead), "suspect_nodes": nodes}
+
+
 class Watchdog:
     def __init__(self, run_dir: Path, rank: int, node: int, host: str, world_size: int, timeout_s: float,
                  interval_s: float = 1.0, on_hang=None) -> None:
@@ -64,10 +93,10 @@ class Watchdog:
         self.step, self.phase_name, self.last_progress = step, "compute", time.time()
 
     def start(self) -> "Watchdog":
-        if self.timeout_s > 0:
-            self.last_progress = time.time()
-            self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
-            self._thread.start()
+        # Heartbeats always (failure classification reads them); hang checks if enabled.
+        self.last_progress = time.time()
+        self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+        self._thread.start()
         return self
 
     def stop(self) -> None:
@@ -85,7 +114,7 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._beat()
-            if time.time() - self.last_progress > self.timeout_s:
+            if self.timeout_s > 0 and time.time() - self.last_progress > self.timeout_s:
                 self._hang()
 
     def _hang(self) -> None:
@@ -95,12 +124,7 @@ class Watchdog:
             faulthandler.dump_traceback(file=f, all_threads=True)
         self._beat(hung=True)
         time.sleep(3 * self.interval_s)  # let every rank dump and publish its heartbeat
-        beats = []
-        for r in range(self.world_size):
-            try:
-                beats.append(json.loads((self.run_dir / "heartbeat" / f"rank{r}.json").read_text()))
-            except (OSError, json.JSONDecodeError):
-                beats.append({"rank": r, "phase": "unknown (no heartbeat)", "step": -1})
+        beats = read_beats(self.run_dir, self.world_size)
         stuck = stuck_ranks(beats)
         report = {"detected_by": self.rank, "time": time.time(), "timeout_s": self.timeout_s, "stuck_ranks": stuck,
                   "stuck_hosts": sorted({b.get("host", "?") for b in beats if b["rank"] in stuck}), "ranks": beats}

@@ -112,6 +112,33 @@ ls_all_pids() {
   return 0
 }
 
+# Start the slurmd of node $1. Each node gets its own UTS + mount namespace: hostname
+# nodeK and a bind-mounted hosts file. Propagation is private, so the bind mount never
+# reaches the host's namespace; job steps forked by this slurmd inherit both namespaces.
+# The namespace id is recorded so down.sh / node.sh can find every process left on the
+# node. slurmd daemonizes (setsid + fork), so it outlives the caller.
+ls_start_node() {
+  local n=$1
+  setsid env "$LS_TAG" unshare --uts --mount --propagation private sh -c '
+      hostname "$1" && mount --bind "$2" /etc/hosts || exit 1
+      echo "$1 $(readlink /proc/self/ns/uts)" >"$3"
+      exec slurmd -N "$1" -f "$4"' sh "$n" "$LS_ETC/hosts-$n" "$LS_RUN/$n.uts" "$SLURM_CONF" \
+    </dev/null >>"$LS_LOG/slurmd-$n.log" 2>&1 9>&- || ls_die "slurmd $n did not start" "$LS_LOG/slurmd-$n.log"
+}
+
+# Pids of every process inside node $1's namespace (its slurmd, slurmstepd, tasks).
+ls_pids_of_node() {
+  local p ns id
+  id=$(awk '{print $2}' "$LS_RUN/$1.uts" 2>/dev/null) || return 0
+  [ -n "$id" ] || return 0
+  find /proc/[0-9]*/ns/uts -maxdepth 0 -printf '%p %l\n' 2>/dev/null | while read -r p ns; do
+    [ "$ns" = "$id" ] || continue
+    p=${p#/proc/}; p=${p%%/*}
+    ls_running "$p" && echo "$p"
+  done
+  return 0
+}
+
 # True if PID exists and is not a zombie. Our daemons are orphans whose parent is PID 1,
 # and PID 1 here (a VM agent; in a container maybe nothing) may reap them late or
 # never: a zombie answers kill -0 but is dead.

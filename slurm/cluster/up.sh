@@ -118,18 +118,7 @@ t_dbd=$(ls_now_ms)
 # ---- 6. slurmctld and the compute nodes ----------------------------------------------
 env "$LS_TAG" slurmctld -f "$SLURM_CONF" </dev/null >>"$(ls_logfile slurmctld)" 2>&1 9>&- \
   || ls_die "slurmctld did not start" "$(ls_logfile slurmctld)"
-for n in "${LS_NODES[@]}"; do
-  # Each node gets its own UTS + mount namespace: hostname nodeK and a bind-mounted
-  # hosts file. Propagation is private, so the bind mount never reaches the host's
-  # namespace; job steps forked by this slurmd inherit both namespaces. The namespace
-  # id is recorded so down.sh can find every process left on the node. slurmd
-  # daemonizes (setsid + fork), so it outlives this script.
-  setsid env "$LS_TAG" unshare --uts --mount --propagation private sh -c '
-      hostname "$1" && mount --bind "$2" /etc/hosts || exit 1
-      echo "$1 $(readlink /proc/self/ns/uts)" >"$3"
-      exec slurmd -N "$1" -f "$4"' sh "$n" "$LS_ETC/hosts-$n" "$LS_RUN/$n.uts" "$SLURM_CONF" \
-    </dev/null >>"$LS_LOG/slurmd-$n.log" 2>&1 9>&- || ls_die "slurmd $n did not start" "$LS_LOG/slurmd-$n.log"
-done
+for n in "${LS_NODES[@]}"; do ls_start_node "$n"; done
 
 # ---- 7. ready when all nodes are idle and sacct answers -------------------------------
 nodes_idle() {
