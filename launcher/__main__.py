@@ -55,9 +55,10 @@ def main() -> None:
         sys.exit(2)
     wait = any(a.startswith("launcher.wait=") and a.split("=", 1)[1].lower() in ("true", "1", "yes")
                for a in args)
-    if wait:
-        codes = [app.wait_and_report(job, run_dir, conf) for job, run_dir, conf in state.submitted]
-        state.exit_code = max([state.exit_code, *codes])
+    if wait and state.submitted:
+        from launcher.progress import wait_sweep
+
+        state.exit_code = max(state.exit_code, wait_sweep(state.submitted[0][1].parent, poll_s=1.0))
     if state.skipped:
         print(f"{len(state.submitted)} submitted, {len(state.skipped)} skipped", file=sys.stderr)
     sys.exit(state.exit_code)

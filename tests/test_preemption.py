@@ -125,3 +125,16 @@ def test_time_limit_is_a_timeout_and_the_cap_stops_it(tmp_path, slurm_cluster):
     wait_until(lambda: log.read_text().count("resumed from step") == 2, 120, "the third segment to resume")
     subprocess.run(["scancel", new_job], env=slurm_cluster)
     assert read_run_json(run_dir)["segments"] == 3
+
+
+def test_scancel_saves_but_never_requeues(tmp_path, slurm_cluster):
+    job, run_dir = submit(tmp_path, slurm_cluster, ["fault.step_delay_s=0.4", "train.steps=200"])
+    wait_until(lambda: steps_logged(run_dir) >= 3, 120, "3 steps")
+    subprocess.run(["scancel", job], env=slurm_cluster, check=True)
+    wait_until(lambda: job_gone(job, slurm_cluster), 60, "the cancelled job to leave the queue")
+    time.sleep(8)  # longer than cred_expire: a requeued job would be back by now
+    assert job_gone(job, slurm_cluster)
+    info = read_run_json(run_dir)
+    assert info["status"] == "interrupted" and info["last_interruption"] == "terminated"
+    assert info["segments"] == 1 and not info.get("preemptions")
+    assert (run_dir / "checkpoints" / "latest").exists()  # the work done is kept

@@ -69,7 +69,7 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
         # whose summation order may vary, the logged loss is bitwise reproducible.
         minutes_due = cfg.checkpoint.every_minutes > 0 and ctx.is_main and \
             time.monotonic() - last_save >= cfg.checkpoint.every_minutes * 60
-        local = torch.tensor([loss.item(), grad_norm.item(), peak_memory_bytes(ctx.device), float(flag.is_set),
+        local = torch.tensor([loss.item(), grad_norm.item(), peak_memory_bytes(ctx.device), flag.code,
                               float(minutes_due)], dtype=torch.float64, device=loss.device)
         gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
         if ctx.rank == cfg.fault.hang_rank and step + 1 == cfg.fault.hang_at_step:
@@ -83,6 +83,7 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
         norm_value = float(table[:, 1].sum() / ctx.world_size)
         peak_mem = int(table[:, 2].max())  # the busiest rank's peak
         preempted, save_due = bool(table[:, 3].any()), bool(table[:, 4].any())
+        flag.agreed_requeue = bool(table[:, 3].max() >= 2)  # some rank got the user signal
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"loss is {loss_value} at step {step + 1}; lower optim.lr")
         dt = time.perf_counter() - t0

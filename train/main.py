@@ -105,7 +105,7 @@ def run(run_dir: str | Path) -> int:
         if outcome == "completed":
             update_run_json(run_dir, status="completed", ended_at=time.time())
         else:
-            after_interruption(cfg, run_dir, info[0], log)
+            after_interruption(cfg, run_dir, info[0], log, flag)
     shutdown()
     return 0
 
@@ -116,9 +116,13 @@ def _is_comm_error(exc: BaseException) -> bool:
         "Connection closed by peer", "Connection reset", "gloo", "NCCL", "Broken pipe", "timed out"))
 
 
-def after_interruption(cfg, run_dir: Path, info: dict, log) -> None:
+def after_interruption(cfg, run_dir: Path, info: dict, log, flag: PreemptionFlag) -> None:
     """Rank 0, checkpoint committed: count the interruption, requeue unless capped."""
     job = preempt.in_slurm_job()
+    if not flag.agreed_requeue:  # SIGTERM only: scancel, or a requeue Slurm does itself
+        update_run_json(run_dir, status="interrupted", last_interruption="terminated", ended_at=time.time())
+        log.info("SIGTERM: checkpoint committed; not requeued (cancelled, or Slurm requeues it itself)")
+        return
     kind = preempt.classify(job, cfg.cluster.signal_delay_s) if job else "preemption"
     counter = "timeouts" if kind == "timeout" else "preemptions"
     requeues = int(info.get("requeues_since_submit", 0)) + 1

@@ -2,8 +2,8 @@
 
 1. Slurm sends the user signal (``--signal=USR2@N``: N seconds before the time limit, or
    at once on preemption with ``preempt_send_user_signal``); an explicit
-   ``scancel --signal=USR2`` does the same. SIGTERM (grace time ending, ``scontrol
-   requeue``) is caught too. The handler only sets a flag on that rank.
+   ``scancel --signal=USR2`` does the same. SIGTERM (``scancel``, ``scontrol requeue``,
+   the end of a preemption grace time) is caught too. The handler only sets a flag.
 2. At the next step boundary the ranks agree: the flag rides in the per-step all-reduce
    of the loss, so no extra collective is needed and every rank sees the same decision.
 3. All ranks save one checkpoint together and commit it atomically (train.checkpoint).
@@ -11,7 +11,9 @@
    *preemption* (counted separately in run.json). Unless the cap ``cluster.max_requeues``
    is reached, rank 0 runs ``scontrol requeue $SLURM_JOB_ID``: the job keeps its id and
    run directory, and the restarted tasks resume from the checkpoint. Then every rank
-   exits cleanly.
+   exits cleanly. A SIGTERM alone (no USR2 before it) is a cancellation or an
+   administrator's requeue: the checkpoint is saved but the job is not requeued by us
+   (a cancelled job must stay cancelled; Slurm requeues it itself when that was asked).
 
 submitit installs its own USR2 handler in each task; ours replaces it, so there is one
 path (submitit's Checkpointable is not used).
@@ -32,6 +34,8 @@ class PreemptionFlag:
     def __init__(self) -> None:
         self.signum: Optional[int] = None
         self.received_at: Optional[float] = None
+        # Set by the loop from every rank's flag: did any rank get the user signal?
+        self.agreed_requeue = False
 
     def install(self) -> "PreemptionFlag":
         for sig in (signal.SIGUSR2, signal.SIGTERM):
@@ -45,6 +49,11 @@ class PreemptionFlag:
     @property
     def is_set(self) -> bool:
         return self.signum is not None
+
+    @property
+    def code(self) -> float:
+        """What this rank contributes to the step's agreement: 0 none, 1 SIGTERM, 2 USR2."""
+        return 0.0 if self.signum is None else (2.0 if self.signum == signal.SIGUSR2 else 1.0)
 
 
 def seconds_left(job_id: str) -> Optional[float]:
