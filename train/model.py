@@ -16,25 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from train.config import ModelConfig
-
-
-def ffn_hidden_dim(cfg: ModelConfig) -> int:
-    """Llama's SwiGLU width: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
-    hidden = int(2 * (4 * cfg.dim) / 3)
-    hidden = int(cfg.ffn_dim_multiplier * hidden)
-    return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of)
-
-
-def count_params(cfg: ModelConfig) -> int:
-    """Parameters of :class:`Transformer` from the config alone (the planner uses this)."""
-    head_dim = cfg.dim // cfg.n_heads
-    kv = cfg.n_kv_heads or cfg.n_heads
-    attn = cfg.dim * cfg.n_heads * head_dim + 2 * cfg.dim * kv * head_dim + cfg.n_heads * head_dim * cfg.dim
-    mlp = 3 * cfg.dim * ffn_hidden_dim(cfg)
-    per_layer = attn + mlp + 2 * cfg.dim
-    embed = cfg.vocab_size * cfg.dim
-    head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
-    return embed + cfg.n_layers * per_layer + cfg.dim + head
+# Pure size arithmetic lives in train/model_size.py so the torch-free planner shares it.
+from train.model_size import count_params, ffn_hidden_dim  # noqa: F401  (re-exported)
 
 
 class RMSNorm(nn.Module):

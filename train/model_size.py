@@ -1,0 +1,61 @@
+"""Sizes of the model of :mod:`train.model` from its config alone (pure, no torch).
+
+The launcher's planner runs on the login node without torch, so the arithmetic that
+the model builder and the planner share lives here; ``train/model.py`` imports it, and
+a test checks :func:`count_params` against ``sum(p.numel())`` of the built model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from train.config import ModelConfig
+
+
+def ffn_hidden_dim(cfg: ModelConfig) -> int:
+    """Llama's SwiGLU width: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
+    hidden = int(2 * (4 * cfg.dim) / 3)
+    hidden = int(cfg.ffn_dim_multiplier * hidden)
+    return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of)
+
+
+@dataclass(frozen=True)
+class ParamBreakdown:
+    """Parameters by part; matrices are what tensor parallel shards, norms stay whole."""
+
+    embedding: int        # tok_embeddings (vocab x dim)
+    layer_matrices: int   # wq, wk, wv, wo, w1, w2, w3 of one block
+    layer_norms: int      # the two RMSNorm weights of one block
+    n_layers: int
+    final_norm: int
+    head: int             # output projection; 0 when tied to the embedding
+
+    @property
+    def layer(self) -> int:
+        return self.layer_matrices + self.layer_norms
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.n_layers * self.layer + self.final_norm + self.head
+
+
+def param_breakdown(cfg: ModelConfig) -> ParamBreakdown:
+    head_dim = cfg.dim // cfg.n_heads
+    kv = cfg.n_kv_heads or cfg.n_heads
+    attn = cfg.dim * cfg.n_heads * head_dim + 2 * cfg.dim * kv * head_dim + cfg.n_heads * head_dim * cfg.dim
+    mlp = 3 * cfg.dim * ffn_hidden_dim(cfg)
+    return ParamBreakdown(embedding=cfg.vocab_size * cfg.dim, layer_matrices=attn + mlp, layer_norms=2 * cfg.dim,
+                          n_layers=cfg.n_layers, final_norm=cfg.dim,
+                          head=0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameters of :class:`train.model.Transformer` from the config alone."""
+    return param_breakdown(cfg).total
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (PaLM's estimate, as torchtitan and train/metrics.py count):
+    6 x non-embedding parameters for the matmuls of forward + backward, plus
+    12 x layers x heads x head_dim x seq_len for the attention scores."""
+    n = count_params(cfg) - cfg.vocab_size * cfg.dim
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * seq_len
