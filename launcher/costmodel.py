@@ -1,0 +1,256 @@
+"""Predicted step time of a layout, and the feasible layouts of a cluster ranked by it.
+
+Pure (no torch). The model, its assumptions and where it agrees with the usual decision
+tree are in docs/planner.md. In short, per optimizer step on one GPU:
+
+    compute  = FLOPs / (peak x MFU); FLOPs = flops_per_token x tokens / (tp x pp) x recompute
+    bubble   = compute x (pp - 1) / (v x microbatches)                  (pipeline flush)
+    dp comm  = bytes / bandwidth; all-reduce 2(n-1)/n, all-gather and reduce-scatter
+               (n-1)/n of the bytes; hidden behind compute up to the compute it overlaps
+    tp comm  = 4 all-reduces of the activations per block (+2 per recomputed block)
+    pp comm  = activations and their gradients once per microbatch to the next stage
+    step     = compute + bubble + exposed dp comm + tp comm + pp comm + offload traffic
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from train.config import ConfigError, RunConfig, StrategyConfig
+from train.layout import Layout, build_layout
+from train.model_size import flops_per_token
+from train.strategies import check_supported
+from launcher.memory import AC_MODES, Memory, compute_bytes, estimate, stage_params
+
+MFU = 0.40                   # fraction of peak the matmuls reach (assumption; plan.mfu=...)
+FP32_PEAK = 0.5              # fp32 runs on TF32 tensor cores: half the bf16 peak
+# recomputation: one more forward (2 of the 6 N FLOPs) of every checkpointed block; the
+# project's selective mode checkpoints every other block
+RECOMPUTE = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}
+PCIE_GBPS = 25.0             # host <-> GPU for offload (PCIe 4 x16, effective)
+CPU_ADAM_PARAMS_PER_S = 2e8  # torch AdamW on the host, per rank (assumption)
+
+
+def all_reduce_bytes(n: int, size: float) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``size`` bytes over n ranks."""
+    return 2.0 * (n - 1) / n * size if n > 1 else 0.0
+
+
+def all_gather_bytes(n: int, size: float) -> float:
+    """Bytes each rank sends in a ring all-gather (or reduce-scatter) of ``size`` full bytes."""
+    return (n - 1) / n * size if n > 1 else 0.0
+
+
+def bubble_fraction(pp: int, microbatches: int, chunks: int = 1) -> float:
+    """Idle share of a pipeline step: (p-1)/(v m + p-1) (GPipe/1F1B v=1; interleaved v chunks)."""
+    return (pp - 1) / (chunks * microbatches + pp - 1)
+
+
+def link_gbps(cfg: RunConfig, layout: Layout, size: int, stride: int) -> float:
+    """Bandwidth per GPU of a group of ``size`` ranks ``stride`` apart in the rank order.
+
+    Inside a node: NVLink. Across nodes a ring is limited by the network; with k members
+    of the group on each node, k NICs (one per GPU) carry it: min(NVLink, k x inter)."""
+    c, gpn = cfg.cluster, layout.gpus_per_node
+    within = size * stride <= gpn
+    need = "intra_node_gbps" if within else "inter_node_gbps"
+    value = getattr(c, need)
+    if not value:
+        raise ConfigError(f"cluster.{need} is null on cluster {c.name}: the cost model needs it; set "
+                          f"cluster.{need}=GB/s per GPU")
+    if within:
+        return float(value)
+    per_node = max(1, min(size, gpn // stride))
+    return min(float(c.intra_node_gbps or value * per_node), per_node * float(value))
+
+
+def _dp_collectives(cfg: RunConfig, layout: Layout, psi: int, e: int) -> List[Tuple[float, int, int, bool]]:
+    """(bytes each GPU sends, group size, stride, once per micro-step?) of the data-parallel
+    collectives in one optimizer step."""
+    s, n, tp = cfg.strategy, layout.dp, layout.tp
+    if s.engine == "deepspeed":  # DeepSpeed communicates in the compute dtype
+        rs, ag = all_gather_bytes(n, e * psi), all_gather_bytes(n, e * psi)
+        if s.zero_stage == 0:
+            return [(all_reduce_bytes(n, e * psi), n, tp, False)]
+        if s.zero_stage == 1:  # full gradients accumulate locally, reduced at the boundary
+            return [(rs + ag, n, tp, False)]
+        if s.zero_stage == 2:  # gradients are partitioned as they are produced
+            return [(rs, n, tp, True), (ag, n, tp, False)]
+        return [(2 * ag + rs, n, tp, True)]  # gather for forward and backward, reduce-scatter
+    if s.data_parallel != "fsdp":  # DDP: fp32 gradients all-reduced once (no_sync before)
+        return [(all_reduce_bytes(n, 4.0 * psi), n, tp, False)]
+    d, r = layout.dp_shard, layout.dp_replicate
+    gathers = 2 if s.reshard_after_forward else 1
+    out = [(gathers * all_gather_bytes(d, e * psi) + all_gather_bytes(d, 4.0 * psi), d, tp, True)]
+    if r > 1:  # HSDP: the reduce-scattered shard is all-reduced across replicas
+        out.append((all_reduce_bytes(r, 4.0 * psi / d), r, tp * d, True))
+    return out
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    bubble_s: float
+    dp_comm_s: float        # all data-parallel traffic
+    exposed_dp_s: float     # the part not hidden behind compute
+    tp_comm_s: float
+    pp_comm_s: float
+    offload_s: float
+    step_s: float
+    tokens_per_step: int
+    tokens_per_s: float
+    mfu: float              # model FLOPs (no recompute) / (bf16 peak x GPUs)
+
+
+def step_time(cfg: RunConfig, layout: Layout, mfu: float = MFU) -> Optional[StepTime]:
+    """Predicted optimizer step; None when the cluster has no peak_tflops_bf16."""
+    c, s, t, m = cfg.cluster, cfg.strategy, cfg.train, cfg.model
+    if not c.peak_tflops_bf16:
+        return None
+    e = compute_bytes(cfg)
+    peak = c.peak_tflops_bf16 * 1e12 * (1.0 if e == 2 else FP32_PEAK)
+    micro_tokens = t.micro_batch_size * t.seq_len
+    fpt = flops_per_token(m, t.seq_len)
+    compute = fpt * micro_tokens * t.grad_accum / (layout.tp * layout.pp) * RECOMPUTE[s.activation_checkpointing] \
+        / (peak * mfu)
+    bubble = 0.0
+    if layout.pp > 1:
+        chunks = 2 if s.pp_schedule == "interleaved_1f1b" else 1
+        bubble = compute * (layout.pp - 1) / (chunks * s.pp_microbatches)
+    psi = stage_params(m, layout.tp, layout.pp)[0]
+    per_step, per_micro = 0.0, 0.0
+    for volume, size, stride, every_micro in _dp_collectives(cfg, layout, psi, e):
+        if volume:
+            secs = volume / (link_gbps(cfg, layout, size, stride) * 1e9)
+            per_micro += secs * t.grad_accum if every_micro else 0.0
+            per_step += 0.0 if every_micro else secs
+    # per-micro-step collectives overlap all compute; the once-per-step reduction only the
+    # last micro-step's backward (2/3 of its compute)
+    exposed = max(0.0, per_micro - compute) + max(0.0, per_step - compute * 2 / 3 / t.grad_accum)
+    layers = -(-m.n_layers // layout.pp)
+    tp_s = pp_s = offload = 0.0
+    if layout.tp > 1:
+        reduces = {"none": 4, "selective": 5, "full": 6}[s.activation_checkpointing]
+        volume = reduces * all_reduce_bytes(layout.tp, micro_tokens * m.dim * e) * layers * t.grad_accum
+        tp_s = volume / (link_gbps(cfg, layout, layout.tp, 1) * 1e9)
+    if layout.pp > 1:
+        # point-to-point to the neighbour stage, tp x dp ranks away
+        gbps = link_gbps(cfg, layout, 2, layout.tp * layout.dp)
+        pp_s = 2 * micro_tokens * m.dim * e * t.grad_accum / (gbps * 1e9)
+    if s.engine == "deepspeed" and (s.offload_optimizer or s.offload_params):
+        n = layout.dp
+        offload = 2 * e * psi / n / (PCIE_GBPS * 1e9) + psi / n / CPU_ADAM_PARAMS_PER_S
+        if s.offload_params:  # partitions fetched for forward and backward every micro-step
+            offload += 2 * e * psi / n * t.grad_accum / (PCIE_GBPS * 1e9)
+    step = compute + bubble + exposed + tp_s + pp_s + offload
+    tokens = micro_tokens * t.grad_accum * layout.dp
+    return StepTime(compute_s=compute, bubble_s=bubble, dp_comm_s=per_micro + per_step, exposed_dp_s=exposed,
+                    tp_comm_s=tp_s, pp_comm_s=pp_s, offload_s=offload, step_s=step, tokens_per_step=tokens,
+                    tokens_per_s=tokens / step, mfu=fpt * tokens / step / (c.peak_tflops_bf16 * 1e12 * layout.world_size))
+
+
+# Data-parallel flavours the search combines with every tp x pp; the names match
+# conf/strategy/*.yaml where such a preset exists.
+FLAVOURS: Dict[str, Dict[str, object]] = {
+    "ddp": dict(engine="torch", data_parallel="ddp", dp_shard=1, dp_replicate=-1),
+    "fsdp": dict(engine="torch", data_parallel="fsdp", dp_shard=-1, dp_replicate=1, reshard_after_forward=True),
+    "fsdp_grad_op": dict(engine="torch", data_parallel="fsdp", dp_shard=-1, dp_replicate=1,
+                         reshard_after_forward=False),
+    "hsdp": dict(engine="torch", data_parallel="fsdp", dp_shard=0, dp_replicate=-1, reshard_after_forward=True),
+    "zero1": dict(engine="deepspeed", zero_stage=1, dp_shard=1, dp_replicate=-1),
+    "zero2": dict(engine="deepspeed", zero_stage=2, dp_shard=1, dp_replicate=-1),
+    "zero3": dict(engine="deepspeed", zero_stage=3, dp_shard=1, dp_replicate=-1),
+    "zero3_offload": dict(engine="deepspeed", zero_stage=3, dp_shard=1, dp_replicate=-1,
+                          offload_optimizer=True, offload_params=True),
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    cfg: RunConfig
+    layout: Layout
+    memory: Memory
+    time: Optional[StepTime]
+    runnable: Optional[str]  # None, or why this version cannot run it yet
+
+    def short(self) -> str:
+        """The overrides that differ from the preset of the same name."""
+        s = self.cfg.strategy
+        out = [f"+strategy={s.name}"]
+        out += [f"strategy.{k}={v}" for k, v in (("tensor_parallel", s.tensor_parallel),
+                                                  ("pipeline_parallel", s.pipeline_parallel)) if v > 1]
+        if s.activation_checkpointing != "none":
+            out.append(f"strategy.activation_checkpointing={s.activation_checkpointing}")
+        return " ".join(out)
+
+    def overrides(self) -> str:
+        """Command-line overrides that reproduce this candidate."""
+        s, t = self.cfg.strategy, self.cfg.train
+        out = [f"+strategy={s.name}", f"strategy.tensor_parallel={s.tensor_parallel}",
+               f"strategy.pipeline_parallel={s.pipeline_parallel}", f"strategy.dp_shard={s.dp_shard}",
+               f"strategy.dp_replicate={s.dp_replicate}", f"strategy.activation_checkpointing={s.activation_checkpointing}",
+               f"train.micro_batch_size={t.micro_batch_size}", f"train.grad_accum={t.grad_accum}"]
+        if s.pipeline_parallel > 1:
+            out.append(f"strategy.pp_microbatches={s.pp_microbatches}")
+        return " ".join(out)
+
+
+def _pow2_divisors(n: int) -> List[int]:
+    return [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= n and n % d == 0]
+
+
+def candidates(cfg: RunConfig, global_batch: Optional[int] = None, mfu: float = MFU) -> List[Candidate]:
+    """Every layout the search covers that fits, with the fastest activation-checkpointing
+    mode that fits, best first. The global batch (sequences per optimizer step) is held
+    fixed: micro_batch_size x grad_accum x world unless given; pipeline candidates run it as
+    one flush of microbatches of micro_batch_size sequences."""
+    c, t = cfg.cluster, cfg.train
+    world = c.nodes * c.gpus_per_node
+    batch = global_batch or t.micro_batch_size * t.grad_accum * world
+    out: List[Candidate] = []
+    for tp in _pow2_divisors(min(c.gpus_per_node, c.nvlink_domain or c.gpus_per_node)):
+        for pp in _pow2_divisors(min(world // tp, cfg.model.n_layers)):
+            dp = world // (tp * pp)
+            if batch % (dp * t.micro_batch_size):
+                continue
+            per_replica = batch // (dp * t.micro_batch_size)
+            train = dataclasses.replace(t, grad_accum=per_replica) if pp == 1 else dataclasses.replace(
+                t, grad_accum=1, micro_batch_size=t.micro_batch_size * per_replica)
+            for name, fields in FLAVOURS.items():
+                if dp == 1 and name not in ("ddp", "zero1", "zero3_offload"):
+                    continue  # nothing to shard: the other flavours are these again
+                fields = dict(fields, name=name, tensor_parallel=tp, pipeline_parallel=pp,
+                              pp_microbatches=per_replica if pp > 1 else cfg.strategy.pp_microbatches)
+                if name == "hsdp":
+                    if c.nodes == 1 or pp > 1 or c.gpus_per_node // tp in (1, dp):
+                        continue  # nothing to replicate across, or the same as fsdp / ddp
+                    fields["dp_shard"] = c.gpus_per_node // tp
+                best = _fastest_fitting(cfg, train, fields, mfu)
+                if best is not None:
+                    out.append(best)
+    # ties (communication hidden behind compute): what runs today, then the least memory
+    return sorted(out, key=lambda k: (round(k.time.step_s, 3) if k.time else 0.0, k.runnable is not None,
+                                      k.memory.total_bytes))
+
+
+def _fastest_fitting(cfg: RunConfig, train, fields: dict, mfu: float) -> Optional[Candidate]:
+    user = cfg.strategy  # precision and schedule are the user's; the rest is the candidate's
+    for mode in AC_MODES:  # cheapest recomputation first
+        strategy = StrategyConfig(mixed_precision=user.mixed_precision, pp_schedule=user.pp_schedule,
+                                  compile=user.compile, activation_checkpointing=mode, **fields)
+        trial = dataclasses.replace(cfg, strategy=strategy, train=train)
+        try:
+            layout = build_layout(trial)
+        except ConfigError:
+            return None
+        mem = estimate(trial, layout)
+        if mem.fits is False:
+            continue
+        try:
+            check_supported(trial, layout)
+            why = None
+        except ConfigError as exc:
+            why = str(exc)
+        return Candidate(trial, layout, mem, step_time(trial, layout, mfu), why)
+    return None

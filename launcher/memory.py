@@ -1,0 +1,249 @@
+"""Memory per GPU of one run: model states, activations, buffers, overhead (pure, no torch).
+
+Every formula is written out, with its source and the engine behaviour it models, in
+docs/planner.md. Units are bytes; "GB" in messages is 1e9 bytes (as the ZeRO paper and
+the cluster groups' ``gpu_mem_gb`` count: an "80 GB" GPU has 80 GiB = 85.9e9 bytes, so
+comparing in 1e9 leaves a margin of about 7% for what the formulas do not see).
+
+Ψ below is the number of parameters one rank holds before data-parallel sharding: the
+heaviest pipeline stage's share, tensor-parallel matrices divided by tp.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+from train.config import ModelConfig, RunConfig
+from train.layout import Layout
+from train.model_size import count_params, ffn_hidden_dim, param_breakdown
+from train.strategies.ds_config import deepspeed_config, use_bf16
+
+GB = 1e9
+ADAM = 8            # fp32 first and second moments per parameter
+MASTER = 4          # fp32 master copy of a parameter (DeepSpeed ZeRO keeps one per partition)
+AC_MODES = ("none", "selective", "full")
+# CUDA context + cuBLAS workspaces + NCCL communicator buffers per process; an assumption
+# (typical figures, not measured here), counted only on GPU clusters.
+CUDA_OVERHEAD = 2.0e9
+# The caching allocator's fragmentation, as a share of everything allocated (assumption).
+FRAGMENTATION = 0.05
+# DeepSpeed ZeRO-3 keeps gathered parameters live up to stage3_max_live_parameters (its
+# default, which ds_config does not change) when they are reused soon (max_reuse_distance).
+DS_MAX_LIVE = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Predicted bytes per GPU of one strategy; the largest rank (heaviest pipeline stage)."""
+
+    strategy: str
+    params: int                # whole model
+    stage_params: int          # Ψ: one rank's parameters before data-parallel sharding
+    dp_degree: int             # ranks that see different data
+    shard_degree: int          # ranks model states are sharded over (1 = replicated)
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float    # for the configured activation_checkpointing mode
+    activations_by_mode: Dict[str, float]
+    buffer_bytes: float        # all-gathered layers, communication buckets, autocast casts
+    overhead_bytes: float      # CUDA/NCCL context and allocator fragmentation
+    init_bytes: float          # peak while the engine materialises the model
+    cpu_bytes: float           # per rank, in host memory (offload)
+    gpu_bytes: Optional[float]
+    notes: Tuple[str, ...] = field(default=())
+
+    @property
+    def model_state_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return max(self.init_bytes, self.model_state_bytes + self.activation_bytes + self.buffer_bytes
+                   + self.overhead_bytes)
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.gpu_bytes is None else self.total_bytes <= self.gpu_bytes
+
+    @property
+    def margin_bytes(self) -> Optional[float]:
+        """Free memory left (negative: how much is missing)."""
+        return None if self.gpu_bytes is None else self.gpu_bytes - self.total_bytes
+
+
+def zero_paper_bytes(psi: float, stage: int, n: int, k: int = 12) -> Tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per GPU by the ZeRO paper (Rajbhandari et al. 2020,
+    Fig. 1): mixed-precision Adam holds 2Ψ fp16 params, 2Ψ fp16 grads and KΨ optimizer
+    states (fp32 params, momentum, variance: K=12). Stage 1 shards the K part over n,
+    stage 2 also the gradients, stage 3 also the parameters; stage 0 is plain DDP."""
+    p, g, o = 2.0 * psi, 2.0 * psi, float(k) * psi
+    if stage >= 1:
+        o /= n
+    if stage >= 2:
+        g /= n
+    if stage >= 3:
+        p /= n
+    return p, g, o
+
+
+def compute_bytes(cfg: RunConfig) -> int:
+    """Bytes of one activation / low-precision parameter element: 2 (bf16) or 4 (fp32)."""
+    device = "cuda" if cfg.cluster.accelerator == "gpu" else "cpu"
+    return 2 if use_bf16(cfg.strategy.mixed_precision, device) else 4
+
+
+def stage_params(m: ModelConfig, tp: int, pp: int) -> Tuple[int, int, int]:
+    """(Ψ of the heaviest pipeline stage, one block, the root unit) for tp x pp.
+
+    Tensor parallel splits every matrix (vocab-parallel embedding and head, as torchtitan
+    does) and replicates the norms. Pipeline stages take ceil(layers/pp) blocks; the first
+    also the embedding, the last the final norm and head (a tied head is a second copy
+    there). The root unit is what FSDP's root module holds besides the blocks (embedding,
+    final norm, head): train/strategies/fsdp.py wraps each block, then the root."""
+    b = param_breakdown(m)
+    block = b.layer_matrices // tp + b.layer_norms
+    embed = b.embedding // tp
+    head = (b.head or (b.embedding if pp > 1 else 0)) // tp
+    if pp == 1:
+        root = embed + b.final_norm + head
+        return m.n_layers * block + root, block, root
+    blocks = math.ceil(m.n_layers / pp) * block
+    root = max(embed, head + b.final_norm)
+    return blocks + root, block, root
+
+
+def uses_autocast(cfg: RunConfig) -> bool:
+    """DDP runs bf16 under autocast (fp32 weights and residual stream); FSDP and DeepSpeed
+    hold bf16 parameters, so their whole forward is bf16."""
+    return cfg.strategy.engine == "torch" and cfg.strategy.data_parallel != "fsdp" and compute_bytes(cfg) == 2
+
+
+def block_bytes(m: ModelConfig, tp: int, e: int, autocast: bool, checkpointed: bool) -> float:
+    """Bytes one block saves for backward per token (Korthikanti et al. 2022's method
+    applied to train/model.py's block: RMSNorm in fp32, GQA with fused attention, SwiGLU).
+
+    not checkpointed: each RMSNorm 12h bytes (fp32 input and normalised copy, the output;
+    under autocast the output is cast once per consuming matmul: 14h and 12h), then in
+    compute dtype q h, k and v 2 kv, attention output h, w1 / w3 / silu / product 4f
+    checkpointed:     the block input only (residual stream: fp32 under autocast)
+    Divided by tp: tensor parallel with sequence parallelism (torchtitan's Llama plan)
+    shards the norms' inputs along the sequence; without it the h terms stay whole.
+    """
+    h, f = m.dim, ffn_hidden_dim(m)
+    if checkpointed:
+        return (4 if autocast else e) * h / tp
+    kv = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
+    norms = (26 if autocast else 24) * h
+    return (norms + e * (2 * h + 2 * kv + 4 * f)) / tp
+
+
+def checkpointed_blocks(layers: int, mode: str) -> int:
+    """Blocks wrapped for recomputation (train/parallelize.py): all for full, every other
+    one (blocks 0, 2, ...) for selective, none for none."""
+    return {"none": 0, "selective": (layers + 1) // 2, "full": layers}[mode]
+
+
+def activation_bytes(cfg: RunConfig, layout: Layout, mode: str) -> float:
+    """Activations on the heaviest rank for one micro-step (gradient accumulation reuses them).
+
+    Per token: the stage's blocks (checkpointed ones keep only their input), plus the
+    output layer: the final norm 12h, logits in compute dtype, the fp32 log-softmax kept
+    by cross-entropy and its fp32 gradient, (e + 8) x vocab, all / tp. Pipeline: micro-steps
+    split into pp_microbatches; 1F1B keeps min(pp, m) microbatches in flight on the first
+    stage, GPipe all m."""
+    m, s, t = cfg.model, cfg.strategy, cfg.train
+    e, autocast = compute_bytes(cfg), uses_autocast(cfg)
+    layers = math.ceil(m.n_layers / layout.pp)
+    ckpt = checkpointed_blocks(layers, mode)
+    full, kept = (block_bytes(m, layout.tp, e, autocast, c) for c in (False, True))
+    # The peak is when backward reaches the last block: every block's saved tensors, the
+    # last block's gradients in flight (+1 block) and, if that block is checkpointed, its
+    # recomputed activations (+1 block).
+    last_recomputed = mode == "full" or (mode == "selective" and (layers - 1) % 2 == 0)
+    blocks = ckpt * kept + (layers - ckpt) * full + full + (full if last_recomputed else 0.0)
+    logits = (12 * m.dim + (e + 8) * m.vocab_size) / layout.tp  # final norm, then the head
+    tokens = t.micro_batch_size * t.seq_len
+    if layout.pp == 1:
+        return tokens * (blocks + logits)
+    micro = tokens / s.pp_microbatches
+    in_flight = s.pp_microbatches if s.pp_schedule == "gpipe" else min(layout.pp, s.pp_microbatches)
+    first = in_flight * micro * blocks
+    last = (s.pp_microbatches if s.pp_schedule == "gpipe" else 1) * micro * (blocks + logits)
+    return max(first, last)
+
+
+def _torch_states(cfg: RunConfig, layout: Layout, psi: int, block: int, root: int, e: int):
+    """DDP keeps fp32 params, grads (views of its buckets) and Adam, plus autocast's bf16
+    casts of the weights, saved for backward. FSDP2 shards fp32 params, grads, Adam over
+    dp_shard (hybrid: replicated across dp_replicate) and gathers units in compute dtype."""
+    s = cfg.strategy
+    if s.data_parallel != "fsdp":
+        return 4.0 * psi, 4.0 * psi, ADAM * psi, (e * psi if e < 4 else 0.0), 0.0, 1
+    d = layout.dp_shard
+    p, g, o = 4.0 * psi / d, 4.0 * psi / d, ADAM * psi / d
+    # Live at the activation peak (start of backward): the root unit, which FSDP2 keeps
+    # gathered from forward to backward, the last block and the prefetched one, and the
+    # first block's unsharded gradient plus its fp32 copy for the reduce-scatter. Grad-op
+    # (no reshard after forward) keeps every gathered block until its backward.
+    gathered = e * psi if not s.reshard_after_forward else e * (root + 2 * block)
+    return p, g, o, gathered + (e + 4.0) * block, 0.0, d
+
+
+def _deepspeed_states(cfg: RunConfig, layout: Layout, psi: int, e: int):
+    """What DeepSpeed 0.19 holds at its optimizer step (measured, bench/planner.py): stage 1
+    and 2 keep the module's params (e Ψ), the reduced gradient partition (e Ψ/N) and its fp32
+    copy (4 Ψ/N), an fp32 master partition and Adam (12 Ψ/N): fp32 4 + 20/N, bf16 2 + 18/N,
+    so stage 1 = stage 2. Stage 3 partitions the params too: (2e + 16)/N.
+    Stage 0 keeps fp32 params, grads and Adam (bf16: BF16_Optimizer's bf16 params and grads,
+    fp32 master and accumulated grads). Buckets come from train/strategies/ds_config.py."""
+    s, n = cfg.strategy, layout.dp
+    zero = deepspeed_config(cfg, n, "cuda" if cfg.cluster.accelerator == "gpu" else "cpu")["zero_optimization"]
+    bucket = min(zero.get("reduce_bucket_size", 0), psi)
+    if s.zero_stage == 0:
+        if e == 4:
+            return 4.0 * psi, 4.0 * psi, ADAM * psi, 0.0, 0.0, 1
+        return 2.0 * psi, 6.0 * psi, (MASTER + ADAM) * psi, 0.0, 0.0, 1
+    p = e * psi / (n if s.zero_stage == 3 else 1)
+    # the reduced gradient partition (compute dtype) and, at the step, its fp32 copy for
+    # the optimizer; the fp32 master partition and Adam
+    g, o = (e + 4.0) * psi / n, (MASTER + ADAM) * psi / n
+    if s.zero_stage < 3:
+        # the reduce bucket, doubled when overlap_comm double-buffers it (GPU)
+        buffers = e * bucket * (2 if zero.get("overlap_comm") else 1)
+    else:
+        live = min(psi, DS_MAX_LIVE)
+        buffers = e * (bucket + min(zero["stage3_prefetch_bucket_size"], psi) + live)
+    cpu = 0.0
+    if s.offload_optimizer:  # fp32 master, Adam and fp32 grads move to pinned host memory
+        cpu += o + 4.0 * psi / n
+        g, o = e * psi / n, 0.0
+    if s.offload_params:
+        cpu += p
+        p = 0.0
+    return p, g, o, buffers, cpu, n
+
+
+def estimate(cfg: RunConfig, layout: Layout) -> Memory:
+    """Predicted memory per GPU of ``cfg`` laid out as ``layout``."""
+    s, e = cfg.strategy, compute_bytes(cfg)
+    psi, block, root = stage_params(cfg.model, layout.tp, layout.pp)
+    notes = []
+    if s.engine == "deepspeed":
+        p, g, o, buffers, cpu, shard = _deepspeed_states(cfg, layout, psi, e)
+        # ds.build materialises the whole fp32 model on every rank before partitioning it
+        init = 4.0 * psi
+        notes.append("deepspeed materialises the full fp32 model before partitioning (no zero.Init)")
+    else:
+        p, g, o, buffers, cpu, shard = _torch_states(cfg, layout, psi, block, root, e)
+        init = p
+    acts = {mode: activation_bytes(cfg, layout, mode) for mode in AC_MODES}
+    act = acts[s.activation_checkpointing]
+    gpu = cfg.cluster.accelerator == "gpu"
+    overhead = (CUDA_OVERHEAD + FRAGMENTATION * (p + g + o + act + buffers)) if gpu else 0.0
+    gpu_bytes = cfg.cluster.gpu_mem_gb * GB if cfg.cluster.gpu_mem_gb else None
+    return Memory(strategy=s.name, params=count_params(cfg.model), stage_params=psi, dp_degree=layout.dp,
+                  shard_degree=shard, param_bytes=p, grad_bytes=g, optimizer_bytes=o, activation_bytes=act,
+                  activations_by_mode=acts, buffer_bytes=buffers, overhead_bytes=overhead, init_bytes=init,
+                  cpu_bytes=cpu, gpu_bytes=gpu_bytes, notes=tuple(notes))

@@ -1,0 +1,295 @@
+"""``python -m launcher.plan +cluster=C +model=M [+strategy=S] [overrides] [plan.*] [-m]``
+
+Predicted memory per GPU (and step time) for the given strategy or for every preset in
+conf/strategy/, then the best layouts for the cluster; with ``-m`` once per point of a
+sweep (``cluster.nodes=1,2,4 -m``; JSON objects then carry the point's overrides). Options of the planner itself
+(not config fields, so parsed here before Hydra composes):
+
+    plan.format=table|json   json: a list with one object per strategy on stdout
+    plan.top=5               how many recommended layouts to print (0: none)
+    plan.recommend=true      with json: print the recommended layouts instead
+    plan.mfu=0.4             assumed model FLOPs utilisation of the cost model
+    plan.global_batch=N      sequences per optimizer step the recommendations keep
+
+Bad input exits 2 with one line, as ``python -m launcher`` does. :func:`check_fits` is
+the launcher's gate before submission. Pure: no torch import (see docs/planner.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import sys
+from typing import Dict, List, Optional, Tuple
+
+from launcher.costmodel import MFU, Candidate, StepTime, candidates, step_time
+from launcher.memory import GB, Memory, compute_bytes, estimate
+from launcher.overrides import CONF_DIR, check_overrides, group_options
+from train.config import ConfigError, RunConfig, to_run_config, validate
+from train.layout import Layout, build_layout
+from train.model_size import count_params
+
+OPTIONS = {"format": ("table", "json"), "top": int, "recommend": bool, "mfu": float, "global_batch": int}
+DEFAULTS = {"format": "table", "top": 5, "recommend": False, "mfu": MFU, "global_batch": None}
+
+
+def parse_plan_args(args: List[str]) -> Tuple[Dict[str, object], List[str]]:
+    """Split ``plan.*`` options from the config overrides; ConfigError on a bad one."""
+    opts, rest = dict(DEFAULTS), []
+    for arg in args:
+        if not arg.startswith("plan."):
+            rest.append(arg)
+            continue
+        key, _, value = arg[len("plan."):].partition("=")
+        kind = OPTIONS.get(key)
+        if kind is None or not value:
+            raise ConfigError(f"{arg}: unknown planner option; known: "
+                              f"{', '.join(f'plan.{k}=...' for k in OPTIONS)}")
+        if isinstance(kind, tuple):
+            if value not in kind:
+                raise ConfigError(f"{arg}: plan.{key} must be one of {', '.join(kind)}")
+            opts[key] = value
+        elif kind is bool:
+            if value.lower() not in ("true", "false"):
+                raise ConfigError(f"{arg}: plan.{key} must be true or false")
+            opts[key] = value.lower() == "true"
+        else:
+            try:
+                number = kind(value)
+            except ValueError:
+                raise ConfigError(f"{arg}: plan.{key} must be a {kind.__name__}") from None
+            if number <= 0 or (key == "mfu" and number > 1):
+                raise ConfigError(f"{arg}: plan.{key} must be > 0" + (" and <= 1" if key == "mfu" else ""))
+            opts[key] = number
+    return opts, rest
+
+
+def compose(overrides: List[str]) -> RunConfig:
+    """conf/ + overrides -> RunConfig, as the launcher composes (Hydra's compose API)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from launcher.rundir import register_resolvers
+    from train.config import register_configs
+
+    register_configs()
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return to_run_config(hydra_compose("config", overrides=overrides))
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(f"cannot compose {' '.join(overrides)!r}: {str(exc).strip().splitlines()[0]}") from None
+
+
+def plan_one(cfg: RunConfig, mfu: float = MFU) -> Tuple[Layout, Memory, Optional[StepTime]]:
+    validate(cfg)
+    layout = build_layout(cfg)
+    return layout, estimate(cfg, layout), step_time(cfg, layout, mfu)
+
+
+def to_json(cfg: RunConfig, layout: Layout, mem: Memory, time: Optional[StepTime]) -> Dict[str, object]:
+    """One strategy's plan; the first ten keys are a contract with scripts outside the project."""
+    out: Dict[str, object] = {
+        "strategy": mem.strategy, "params": mem.params, "dp_degree": mem.dp_degree,
+        "param_bytes": mem.param_bytes, "grad_bytes": mem.grad_bytes, "optimizer_bytes": mem.optimizer_bytes,
+        "activation_bytes": mem.activation_bytes, "total_bytes": mem.total_bytes, "gpu_bytes": mem.gpu_bytes,
+        "fits": mem.fits,
+        "buffer_bytes": mem.buffer_bytes, "overhead_bytes": mem.overhead_bytes, "init_bytes": mem.init_bytes,
+        "cpu_bytes": mem.cpu_bytes, "margin_bytes": mem.margin_bytes, "stage_params": mem.stage_params,
+        "shard_degree": mem.shard_degree, "activation_checkpointing": cfg.strategy.activation_checkpointing,
+        "activations_by_mode": mem.activations_by_mode, "engine": cfg.strategy.engine,
+        "zero_stage": cfg.strategy.zero_stage, "layout": dict(zip(("pp", "dp_replicate", "dp_shard", "tp"),
+                                                                  layout.shape)),
+        "notes": list(mem.notes),
+    }
+    if time is not None:
+        out.update(step_s=time.step_s, tokens_per_s=time.tokens_per_s, mfu=time.mfu)
+    return out
+
+
+def _gb(x: Optional[float], unit: float = GB) -> str:
+    return "-" if x is None else f"{x / unit:.1f}"
+
+
+def _fits(mem: Memory) -> str:
+    if mem.fits is None:
+        return "?"
+    return f"yes (+{_gb(mem.margin_bytes)})" if mem.fits else f"NO ({_gb(mem.margin_bytes)})"
+
+
+def _unit(totals: List[float]) -> Tuple[float, str]:
+    """GB, or MB for models whose plan would print only zeros in GB."""
+    return (GB, "GB") if max(totals, default=0.0) >= GB else (1e6, "MB")
+
+
+def header_line(cfg: RunConfig) -> str:
+    c, m, t = cfg.cluster, cfg.model, cfg.train
+    gpu = f"{c.gpu_mem_gb:g} GB" if c.gpu_mem_gb else "unknown memory"
+    slots = "GPUs" if c.accelerator == "gpu" else "CPU ranks"
+    return (f"{m.name} ({count_params(m) / 1e6:,.1f} M params) on {c.name}: {c.nodes} node(s) x "
+            f"{c.gpus_per_node} {slots} of {gpu}; micro-batch {t.micro_batch_size} x {t.seq_len} tokens, "
+            f"grad accum {t.grad_accum}, {'bf16' if compute_bytes(cfg) == 2 else 'fp32'}")
+
+
+def strategy_table(rows: List[Tuple[str, RunConfig, object]]) -> List[str]:
+    unit, label = _unit([r[2][1].total_bytes for r in rows if not isinstance(r[2], ConfigError)])
+
+    def f(x: Optional[float]) -> str:
+        return _gb(x, unit)
+
+    lines = [f"memory per GPU in {label}; activations for the configured mode, then none/selective/full",
+             f"{'strategy':<15}{'pp':>3}{'dp_r':>5}{'dp_s':>5}{'tp':>3}{'params':>8}{'grads':>7}{'optim':>7}"
+             f"{'activ':>7} {'none/sel/full':<17}{'buffers':>8}{'overh':>6}{'total':>7}  {'fits (GB)':<14}{'step s':>7}"]
+    for name, cfg, res in rows:
+        if isinstance(res, ConfigError):
+            lines.append(f"{name:<15}n/a: {res}")
+            continue
+        layout, mem, time = res
+        acts = "/".join(f(mem.activations_by_mode[k]) for k in ("none", "selective", "full"))
+        step = f"{time.step_s:.2f}" if time else "-"
+        lines.append(f"{name:<15}{layout.pp:>3}{layout.dp_replicate:>5}{layout.dp_shard:>5}{layout.tp:>3}"
+                     f"{f(mem.param_bytes):>8}{f(mem.grad_bytes):>7}{f(mem.optimizer_bytes):>7}"
+                     f"{f(mem.activation_bytes):>7} {acts:<17}{f(mem.buffer_bytes):>8}"
+                     f"{f(mem.overhead_bytes):>6}{f(mem.total_bytes):>7}  {_fits(mem):<14}{step:>7}")
+        if mem.cpu_bytes:
+            node = mem.cpu_bytes * cfg.cluster.gpus_per_node
+            have = f" (cluster.mem_gb={cfg.cluster.mem_gb})" if cfg.cluster.mem_gb else ""
+            lines.append(f"{'':<15}offload: host memory {f(mem.cpu_bytes)} {label} per rank, {f(node)} {label} "
+                         f"per node{have}")
+        if mem.init_bytes >= mem.total_bytes:  # the start-up peak is the larger one
+            lines.append(f"{'':<15}peak at start-up: {'; '.join(mem.notes) or 'model materialised'}")
+    return lines
+
+
+def recommend_table(cands: List[Candidate], top: int, cfg: RunConfig, global_batch: int) -> List[str]:
+    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    lines = [f"best layouts for {cfg.cluster.nodes} x {cfg.cluster.name} (global batch {global_batch} sequences "
+             f"= {global_batch * cfg.train.seq_len} tokens per step; checkpointing: the cheapest mode that fits)"]
+    if not cands:
+        return lines + ["  none fits: use more nodes, a shorter train.seq_len or a smaller micro-batch"]
+    if cands[0].time is None:
+        return lines + [f"  no ranking: cluster.peak_tflops_bf16 is null on {cfg.cluster.name}; the cost model "
+                        "needs the peak (set cluster.peak_tflops_bf16=TFLOP/s)"]
+    lines.append(f"{'#':>3} {'strategy':<14}{'pp':>3}{'dp':>5}{'tp':>3}  {'checkpoint':<10}{'GB/GPU':>7}"
+                 f"{'step s':>8}{'tok/s/GPU':>10}{'MFU':>6}  runnable now")
+    for i, k in enumerate(cands[:top], 1):
+        t = k.time
+        step, tps, mfu = (f"{t.step_s:.2f}", f"{t.tokens_per_s / world:.0f}", f"{t.mfu:.0%}") if t else ("-",) * 3
+        lines.append(f"{i:>3} {k.cfg.strategy.name:<14}{k.layout.pp:>3}{k.layout.dp:>5}{k.layout.tp:>3}  "
+                     f"{k.cfg.strategy.activation_checkpointing:<10}{_gb(k.memory.total_bytes):>7}{step:>8}{tps:>10}"
+                     f"{mfu:>6}  {'yes' if k.runnable is None else 'not yet'}")
+    lines.append(f"#1: python -m launcher +cluster={cfg.cluster.name} +model={cfg.model.name} "
+                 f"cluster.nodes={cfg.cluster.nodes} train.seq_len={cfg.train.seq_len} {cands[0].overrides()}")
+    return lines
+
+
+def check_fits(cfg: RunConfig) -> None:
+    """Raise ConfigError (one line) when ``cfg`` is predicted not to fit its GPUs.
+
+    Skipped when cluster.gpu_mem_gb is null (CPU and unknown clusters) or when
+    ``launcher.allow_oom`` is true (read with getattr: the launcher owns that field)."""
+    if not cfg.cluster.gpu_mem_gb or getattr(cfg.launcher, "allow_oom", False):
+        return
+    layout = build_layout(cfg)
+    mem = estimate(cfg, layout)
+    if mem.fits:
+        return
+    s, c = cfg.strategy, cfg.cluster
+    fixes = []
+    if s.activation_checkpointing != "full":
+        full = dataclasses.replace(cfg, strategy=dataclasses.replace(s, activation_checkpointing="full"))
+        if estimate(full, layout).fits:
+            fixes.append("strategy.activation_checkpointing=full")
+    try:
+        best = candidates(cfg)
+    except ConfigError:  # the cost model lacks a bandwidth: rank nothing, suggest the rest
+        best = []
+    fixes.append(f"{best[0].short()} (python -m launcher.plan +cluster={c.name} +model={cfg.model.name} "
+                 f"ranks the layouts that fit)" if best else f"more nodes (cluster.nodes={c.nodes} now)")
+    raise ConfigError(
+        f"cluster.gpu_mem_gb={c.gpu_mem_gb:g}: {cfg.model.name} with strategy {s.name} is predicted to need "
+        f"{_gb(mem.total_bytes)} GB per GPU on {c.name} (params {_gb(mem.param_bytes)}, grads "
+        f"{_gb(mem.grad_bytes)}, optimizer {_gb(mem.optimizer_bytes)}, activations {_gb(mem.activation_bytes)}, "
+        f"buffers+overhead {_gb(mem.buffer_bytes + mem.overhead_bytes)}); use {' or '.join(fixes)}, "
+        f"or launcher.allow_oom=true to submit anyway")
+
+
+def sweep_points(args: List[str]) -> List[List[str]]:
+    """The override lists of a sweep (``cluster.nodes=1,2,4 -m``): one per combination."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    choices = []
+    for o in OverridesParser.create().parse_overrides(overrides=args):
+        if not o.is_sweep_override():
+            choices.append([o.input_line])
+            continue
+        prefix = "++" if o.is_force_add() else "+" if o.is_add() else ""
+        choices.append([f"{prefix}{o.key_or_group}={v}" for v in o.sweep_string_iterator()])
+    return [list(point) for point in itertools.product(*choices)]
+
+
+def plan_point(overrides: List[str], opts: Dict[str, object]):
+    """(rows of (name, cfg, plan or ConfigError), base config, global batch, candidates)."""
+    given = any(a.lstrip("+").startswith("strategy=") for a in overrides)
+    rows = []
+    for name in [None] if given else group_options("strategy"):
+        cfg = compose(overrides if name is None else [f"+strategy={name}", *overrides])
+        try:
+            rows.append((cfg.strategy.name, cfg, plan_one(cfg, float(opts["mfu"]))))
+        except ConfigError as exc:
+            if given:
+                raise
+            rows.append((cfg.strategy.name, cfg, exc))
+    base = rows[0][1]
+    batch = int(opts["global_batch"] or base.train.micro_batch_size * base.train.grad_accum
+                * base.cluster.nodes * base.cluster.gpus_per_node)
+    wanted = opts["recommend"] if opts["format"] == "json" else opts["top"]
+    return rows, base, batch, candidates(base, batch, float(opts["mfu"])) if wanted else []
+
+
+def run(args: List[str]) -> int:
+    opts, rest = parse_plan_args(args)
+    multirun = any(a in ("-m", "--multirun") for a in rest)
+    rest = [a for a in rest if a not in ("-m", "--multirun")]
+    check_overrides(rest, multirun)
+    points = sweep_points(rest) if multirun else [rest]
+    out: List[Dict[str, object]] = []
+    for i, point in enumerate(points):
+        rows, base, batch, cands = plan_point(point, opts)
+        tag = {"point": " ".join(point)} if multirun else {}
+        if opts["format"] == "json":
+            if opts["recommend"]:
+                out += [to_json(k.cfg, k.layout, k.memory, k.time) | {"overrides": k.overrides()} | tag
+                        for k in cands[:int(opts["top"])]]
+                continue
+            out += [to_json(cfg, *res) | tag for _, cfg, res in rows if not isinstance(res, ConfigError)]
+            for name, _, res in rows:
+                if isinstance(res, ConfigError):
+                    print(f"skipped strategy {name}: {res}", file=sys.stderr)
+            continue
+        if multirun:
+            print(f"{chr(10) if i else ''}== {' '.join(point)}")
+        print(header_line(base))
+        print("\n".join(strategy_table(rows)))
+        if opts["top"]:
+            print()
+            print("\n".join(recommend_table(cands, int(opts["top"]), base, batch)))
+    if opts["format"] == "json":
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+def main() -> None:
+    try:
+        code = run(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

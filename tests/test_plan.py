@@ -1,0 +1,232 @@
+"""The planner: parameter counts, memory formulas, cost model, CLI contract and errors."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from helpers import compose_run
+from launcher.costmodel import (all_gather_bytes, all_reduce_bytes, bubble_fraction, candidates, link_gbps,
+                                step_time)
+from launcher.memory import GB, block_bytes, estimate, stage_params, zero_paper_bytes
+from launcher.overrides import group_options
+from launcher.plan import check_fits
+from train.config import ConfigError, ModelConfig
+from train.layout import build_layout
+from train.model_size import count_params, ffn_hidden_dim, flops_per_token, param_breakdown
+
+LONG = ["train.seq_len=8192", "train.micro_batch_size=1"]
+CONTRACT = ("strategy", "params", "dp_degree", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
+            "total_bytes", "gpu_bytes", "fits")
+
+
+def plan_cli(args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "launcher.plan", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("name", group_options("model"))
+def test_param_count_equals_built_model(name):
+    from train.model import build_model
+
+    cfg = compose_run([f"+model={name}"]).model
+    model = build_model(cfg, "meta")
+    assert count_params(cfg) == sum(p.numel() for p in model.parameters())
+    b = param_breakdown(cfg)
+    assert b.layer == sum(p.numel() for p in model.layers["0"].parameters())
+    assert b.embedding == model.tok_embeddings.weight.numel()
+
+
+def test_zero_paper_arithmetic_7_5b_on_64_gpus():
+    """Fig. 1 of the ZeRO paper: 7.5B parameters, 64 GPUs, K=12."""
+    totals = [round(sum(zero_paper_bytes(7.5e9, stage, 64)) / GB, 1) for stage in range(4)]
+    assert totals == [120.0, 31.4, 16.6, 1.9]
+
+
+def _bytes_per_param(overrides):
+    cfg = compose_run(["+cluster=a100x8", "+model=llama3_8b", *overrides])
+    mem = estimate(cfg, build_layout(cfg))
+    return mem.model_state_bytes / mem.stage_params, mem
+
+
+@pytest.mark.parametrize("strategy,precision,expected", [
+    ("ddp", "fp32", 16.0), ("ddp", "bf16", 16.0),
+    ("fsdp", "bf16", 16 / 8), ("hsdp", "fp32", 16 / 8),
+    # DeepSpeed at its step: module params, the gradient partition and its fp32 copy, the
+    # fp32 master partition and Adam (the paper: stage 1 = 4 + 12/8, stage 2 = 2 + 14/8)
+    ("zero1", "fp32", 4 + 20 / 8), ("zero2", "fp32", 4 + 20 / 8),
+    ("zero1", "bf16", 2 + 18 / 8), ("zero2", "bf16", 2 + 18 / 8),
+    ("zero3", "fp32", 24 / 8), ("zero3", "bf16", 20 / 8),
+])
+def test_model_state_bytes_per_param(strategy, precision, expected):
+    per_param, _ = _bytes_per_param([f"+strategy={strategy}", f"strategy.mixed_precision={precision}"])
+    assert per_param == pytest.approx(expected)
+
+
+def test_offload_moves_states_to_host():
+    _, mem = _bytes_per_param(["+strategy=zero3_offload", "strategy.mixed_precision=bf16"])
+    psi = mem.stage_params
+    assert mem.model_state_bytes == pytest.approx(2 * psi / 8)   # the bf16 gradient partition stays
+    assert mem.cpu_bytes == pytest.approx((2 + 12 + 4) * psi / 8)  # bf16 params, master + Adam, fp32 grads
+
+
+def test_tensor_and_pipeline_parallel_divide_params():
+    m = compose_run(["+model=llama3_8b"]).model
+    b = param_breakdown(m)
+    psi, block, root = stage_params(m, 8, 1)
+    assert psi == m.n_layers * (b.layer_matrices // 8 + b.layer_norms) + b.embedding // 8 + b.final_norm + b.head // 8
+    assert block == b.layer_matrices // 8 + b.layer_norms and root == (b.embedding + b.head) // 8 + b.final_norm
+    psi2, _, _ = stage_params(m, 1, 2)
+    assert psi2 == 16 * b.layer + b.head + b.final_norm  # the last stage: half the blocks and the head
+
+
+def test_activation_formula_on_fixed_inputs():
+    m = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=256)
+    f = ffn_hidden_dim(m)
+    assert f == 192
+    assert block_bytes(m, 1, 4, False, False) == 24 * 64 + 4 * (2 * 64 + 2 * 64 + 4 * f)
+    assert block_bytes(m, 1, 2, True, False) == 26 * 64 + 2 * (2 * 64 + 2 * 64 + 4 * f)  # autocast casts
+    assert block_bytes(m, 2, 2, False, True) == 2 * 64 / 2
+    base = ["+cluster=local", "model.dim=64", "train.micro_batch_size=4", "train.seq_len=32"]
+    cfg = compose_run(base)
+    mem = estimate(cfg, build_layout(cfg))
+    full = block_bytes(m, 1, 4, False, False)
+    assert mem.activation_bytes == 4 * 32 * (2 * full + full + 12 * 64 + 12 * 256)
+    acts, kept = mem.activations_by_mode, block_bytes(m, 1, 4, False, True)
+    assert acts["selective"] == 4 * 32 * (kept + full + full + 12 * 64 + 12 * 256)  # block 0 checkpointed
+    assert acts["full"] == 4 * 32 * (2 * kept + 2 * full + 12 * 64 + 12 * 256)     # last one recomputed
+    deep = compose_run(base + ["model.n_layers=8"])
+    acts = estimate(deep, build_layout(deep)).activations_by_mode
+    assert acts["none"] > acts["selective"] > acts["full"]
+    double = compose_run(base + ["train.micro_batch_size=8"])
+    assert estimate(double, build_layout(double)).activation_bytes == 2 * mem.activation_bytes
+    accum = compose_run(base + ["train.grad_accum=4"])
+    assert estimate(accum, build_layout(accum)).total_bytes == mem.total_bytes
+
+
+def test_collective_volumes_and_bubble():
+    assert all_reduce_bytes(8, 1e9) == pytest.approx(1.75e9)
+    assert all_gather_bytes(4, 1e9) == pytest.approx(0.75e9)
+    assert all_reduce_bytes(1, 1e9) == 0.0
+    assert bubble_fraction(4, 12) == pytest.approx(3 / 15)
+    assert bubble_fraction(4, 12, chunks=2) == pytest.approx(3 / 27)
+
+
+def test_link_bandwidth_inside_and_across_nodes():
+    cfg = compose_run(["+cluster=h100x8", "cluster.nodes=4"])
+    layout = build_layout(cfg)
+    assert link_gbps(cfg, layout, 8, 1) == 450          # one node: NVLink
+    assert link_gbps(cfg, layout, 32, 1) == 8 * 50      # 8 NICs per node carry the ring
+    assert link_gbps(cfg, layout, 4, 8) == 50           # one member per node: one NIC
+    assert link_gbps(cfg, layout, 16, 2) == 4 * 50
+
+
+def test_step_time_on_fixed_inputs():
+    cfg = compose_run(["+cluster=h100x8", "+model=llama3_8b", "+strategy=fsdp", *LONG])
+    layout = build_layout(cfg)
+    t = step_time(cfg, layout, mfu=0.5)
+    compute = flops_per_token(cfg.model, 8192) * 8192 / (989e12 * 0.5)
+    assert t.compute_s == pytest.approx(compute)
+    psi = count_params(cfg.model)
+    # two bf16 all-gathers and an fp32 reduce-scatter over 8 ranks, on NVLink
+    assert t.dp_comm_s == pytest.approx((2 * 2 * psi + 4 * psi) * 7 / 8 / 450e9)
+    assert t.step_s == pytest.approx(compute) and t.exposed_dp_s == 0.0
+    assert t.tokens_per_step == 8 * 8192 and t.mfu == pytest.approx(0.5)
+
+    pp = compose_run(["+cluster=h100x8", "+model=llama3_8b", "+strategy=ddp", "strategy.pipeline_parallel=4",
+                      "strategy.pp_microbatches=8", "train.micro_batch_size=8", "train.seq_len=8192"])
+    tp = step_time(pp, build_layout(pp))
+    assert tp.bubble_s == pytest.approx(tp.compute_s * 3 / 8)
+
+
+def test_recommendation_follows_decision_tree_at_the_ends():
+    small = candidates(compose_run(["+cluster=h100x8", "+model=llama3_8b", "train.seq_len=4096",
+                                        "train.micro_batch_size=1"]))
+    assert small[0].layout.tp == 1 and small[0].layout.pp == 1 and small[0].memory.shard_degree == 8
+    big = candidates(compose_run(["+cluster=h100x8", "+model=llama3_405b", "cluster.nodes=16", *LONG]))
+    assert big and big[0].layout.tp > 1 and big[0].layout.dp > 1
+    assert not candidates(compose_run(["+cluster=h100x8", "+model=llama3_405b", *LONG]))  # 1 node: nothing fits
+
+
+def test_check_fits():
+    with pytest.raises(ConfigError) as exc:
+        check_fits(compose_run(["+cluster=a100x8", "+model=llama3_70b"]))
+    line = str(exc.value)
+    assert "\n" not in line and "cluster.gpu_mem_gb=80" in line and "launcher.allow_oom=true" in line
+    check_fits(compose_run(["+cluster=local", "+model=llama3_70b"]))  # no gpu_mem_gb: no check
+    check_fits(compose_run(["+cluster=a100x8"]))                       # tiny fits
+    cfg = compose_run(["+cluster=a100x8", "+model=llama3_70b"])
+    cfg.launcher = dataclasses.replace(cfg.launcher)
+    object.__setattr__(cfg.launcher, "allow_oom", True)
+    check_fits(cfg)
+
+
+def test_json_contract_for_every_preset():
+    proc = plan_cli(["+cluster=a100x8", "+model=llama3_8b", "plan.format=json"])
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert {r["strategy"] for r in rows} == set(group_options("strategy"))
+    for row in rows:
+        assert all(key in row for key in CONTRACT), row
+        assert isinstance(row["fits"], bool) and row["gpu_bytes"] == 80e9 and row["params"] == 8030261248
+        parts = sum(row[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"))
+        assert row["total_bytes"] >= parts
+
+
+def test_json_for_one_strategy_and_recommendations():
+    proc = plan_cli(["+cluster=a100x8", "+model=llama3_8b", "+strategy=zero3", "plan.format=json"])
+    rows = json.loads(proc.stdout)
+    assert [r["strategy"] for r in rows] == ["zero3"] and rows[0]["dp_degree"] == 8
+    proc = plan_cli(["+cluster=h100x8", "+model=llama3_8b", "plan.format=json", "plan.recommend=true", "plan.top=2"])
+    rows = json.loads(proc.stdout)
+    assert len(rows) == 2 and all(r["fits"] and r["step_s"] > 0 and "overrides" in r for r in rows)
+
+
+def test_table_output():
+    proc = plan_cli(["+cluster=h100x8", "+model=llama3_8b", *LONG])
+    assert proc.returncode == 0, proc.stderr
+    assert "llama3_8b (8,030.3 M params) on h100x8" in proc.stdout
+    assert "best layouts for 1 x h100x8" in proc.stdout and "#1: python -m launcher" in proc.stdout
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["+cluster=nope"], "unknown cluster 'nope'"),
+    (["cluster=a100x8"], "append it with +cluster=a100x8"),
+    (["plan.format=xml"], "plan.format must be one of table, json"),
+    (["plan.bogus=1"], "unknown planner option"),
+    (["plan.top=abc"], "plan.top must be a int"),
+    (["train.foo=1"], "unknown field 'train.foo'"),
+    (["+cluster=a100x8", "cluster.nodes=1,2"], "add -m"),
+    (["+cluster=a100x8", "cluster.nodes=abc"], "cannot compose"),
+    (["+cluster=a100x8", "+strategy=ddp", "strategy.tensor_parallel=16"], "TP must stay inside one node"),
+])
+def test_bad_input_is_one_line_exit_2(args, expect):
+    proc = plan_cli(args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], proc.stderr
+
+
+def test_planner_imports_no_torch():
+    code = "import sys, launcher.plan; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.slow
+def test_predicted_model_states_match_ranks_on_cpu():
+    """2 gloo ranks: model states at the optimizer step and the tensors autograd saves
+    within 10% of the prediction (bench/planner.py measures; all presets: run it)."""
+    proc = subprocess.run([sys.executable, "bench/planner.py", "--ranks", "2", "--strategies", "ddp,fsdp,zero2,zero3",
+                           "--precision", "fp32", "--json"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 4, proc.stdout + proc.stderr
+    for row in rows:
+        assert abs(row["state_ratio"] - 1) < 0.10, row
+        assert abs(row["activation_ratio"] - 1) < 0.10, row
