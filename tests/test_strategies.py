@@ -12,6 +12,8 @@ import os
 import pytest
 
 from conftest import REPO, launcher, run_dir_of
+from helpers import compose_run
+from train.layout import build_layout
 from train.rundir import read_metrics, read_run_json
 
 pytestmark = pytest.mark.slow
@@ -37,6 +39,12 @@ CASES = [
     ("zero3", (1, 2), []),
     ("zero3", (1, 4), []),
     ("zero3_offload", (1, 2), []),
+    ("tp", (1, 2), []),
+    ("tp", (1, 4), []),  # 2 replicas x tp 2
+    ("tp", (1, 4), ["strategy.tensor_parallel=4"]),
+    ("tp", (1, 2), ["strategy.data_parallel=none"]),  # TP alone, no data-parallel wrapper
+    ("fsdp_tp", (1, 4), []),  # 2 shards x tp 2
+    ("fsdp_tp", (1, 2), ["strategy.activation_checkpointing=full"]),  # TP, then AC, then FSDP
 ]
 
 
@@ -66,10 +74,11 @@ def _ids(case):
 def test_matches_single_process(workdir, reference, strategy, shape, extra):
     nodes, gpn = shape
     ranks = nodes * gpn
-    accum = next((int(e.split("=")[1]) for e in extra if e.startswith("train.grad_accum=")), 1)
-    micro = GLOBAL_BATCH // ranks // accum
-    run = _run(workdir, workdir / "data", [f"+strategy={strategy}", f"cluster.nodes={nodes}",
-                                           f"cluster.gpus_per_node={gpn}", f"train.micro_batch_size={micro}", *extra])
+    overrides = [f"+strategy={strategy}", f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpn}", *extra]
+    cfg = compose_run(overrides)
+    dp = build_layout(cfg).dp  # TP ranks share their data: the batch splits over dp only
+    micro = GLOBAL_BATCH // dp // cfg.train.grad_accum
+    run = _run(workdir, workdir / "data", overrides + [f"train.micro_batch_size={micro}"])
     rows = read_metrics(run)
     assert len(rows) == len(reference) == 5
     for ref, got in zip(reference, rows):

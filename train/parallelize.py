@@ -13,8 +13,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from train.config import RunConfig
 from train.dist import DistContext
 from train.layout import Layout
+from train.mesh import build_mesh
 from train.model import Transformer
 from train.strategies import check_supported, get_builder
+from train.strategies.tp import apply_tp
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
@@ -32,8 +34,12 @@ def apply_compile(model: Transformer) -> None:
 
 
 def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext):
+    """Meta model -> engine. Builds the job's one DeviceMesh and hands it to the builder."""
     check_supported(cfg, layout)
+    mesh = build_mesh(layout, ctx.device.type)
+    if layout.tp_enabled:
+        apply_tp(model, mesh["tp"])
     apply_activation_checkpointing(model, cfg.strategy.activation_checkpointing)
     if cfg.strategy.compile:
         apply_compile(model)
-    return get_builder(cfg)(model, cfg, layout, ctx)
+    return get_builder(cfg)(model, cfg, layout, ctx, mesh)

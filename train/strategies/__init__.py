@@ -1,7 +1,10 @@
 """Strategy builders, registered by name behind one signature.
 
-``build(model, cfg, layout, ctx) -> Engine``: takes the model on the meta device,
-materialises and wraps it, and returns an :class:`train.strategies.base.Engine`.
+``build(model, cfg, layout, ctx, mesh) -> engine``: takes the model on the meta device
+(tensor parallel and activation checkpointing already applied by
+:func:`train.parallelize.parallelize`, which also built ``mesh``), materialises and wraps
+it, and returns an engine with ``train_step(micro_batches, lr) -> (loss, grad_norm)``
+(:class:`train.strategies.base.TorchEngine` or the DeepSpeed adapter).
 This module is pure (no torch import) so the launcher can refuse an unsupported
 combination before submission with the same table the job uses.
 """
@@ -18,6 +21,7 @@ from train.strategies import ds_config
 _BUILDERS: Dict[Tuple[str, str], str] = {
     ("torch", "ddp"): "train.strategies.ddp:build",
     ("torch", "fsdp"): "train.strategies.fsdp:build",
+    ("torch", "none"): "train.strategies.tp:build",  # tensor parallel alone
     ("deepspeed", "zero0"): "train.strategies.deepspeed:build",
     ("deepspeed", "zero1"): "train.strategies.deepspeed:build",
     ("deepspeed", "zero2"): "train.strategies.deepspeed:build",
@@ -38,9 +42,26 @@ def check_supported(cfg: RunConfig, layout: Layout) -> None:
         known = ", ".join(f"engine={e} data_parallel={d}" for e, d in _BUILDERS)
         raise ConfigError(f"strategy {cfg.strategy.name!r} (engine={key[0]}, {key[1]}) is not available in this "
                           f"version; available: {known}")
-    if layout.tp_enabled or layout.pp_enabled:
-        raise ConfigError(f"strategy {cfg.strategy.name!r}: tensor_parallel={layout.tp} / pipeline_parallel="
-                          f"{layout.pp} are not available in this version; use degree 1")
+    if layout.pp_enabled:
+        raise ConfigError(f"strategy {cfg.strategy.name!r}: pipeline_parallel={layout.pp} is not available in "
+                          "this version; use strategy.pipeline_parallel=1")
+    _check_tp(cfg, layout, key)
+
+
+def _check_tp(cfg: RunConfig, layout: Layout, key: Tuple[str, str]) -> None:
+    name = cfg.strategy.name
+    if key == ("torch", "none") and layout.dp > 1:
+        raise ConfigError(f"strategy {name!r}: data_parallel=none but the layout has dp={layout.dp} data-parallel "
+                          f"ranks ({layout.describe()}); use +strategy=fsdp_tp or tensor_parallel={layout.world_size}")
+    if not layout.tp_enabled:
+        return
+    if key not in (("torch", "fsdp"), ("torch", "none")):
+        raise ConfigError(f"strategy {name!r} ({key[0]} {key[1]}) with tensor_parallel={layout.tp}: tensor parallel "
+                          "composes with FSDP only (DDP and DeepSpeed do not take DTensor parameters); "
+                          "use +strategy=tp or +strategy=fsdp_tp")
+    if cfg.model.tie_embeddings:
+        raise ConfigError(f"model.tie_embeddings=true with tensor_parallel={layout.tp}: the tied embedding/head is "
+                          "not sharded by the TP plan; use tensor_parallel=1 or model.tie_embeddings=false")
 
 
 def get_builder(cfg: RunConfig) -> Callable:

@@ -6,11 +6,13 @@ so a rank holds one gradient copy (4 B/param in fp32) instead of two.
 from __future__ import annotations
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.config import RunConfig
 from train.dist import DistContext
 from train.layout import Layout
+from train.mesh import data_parallel_mesh
 from train.model import Transformer
 from train.strategies.base import TorchEngine, build_adamw
 
@@ -30,11 +32,13 @@ def settle_buckets(wrapped: DDP, cfg: RunConfig, ctx: DistContext) -> None:
     wrapped.zero_grad(set_to_none=True)
 
 
-def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext) -> TorchEngine:
+def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh: DeviceMesh) -> TorchEngine:
     model.to_empty(device=ctx.device)
     model.init_weights(cfg.train.seed, ctx.device)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    wrapped = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    # All-reduce over the data-parallel ranks only (the world, until PP/TP ranks exist).
+    wrapped = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                  process_group=data_parallel_mesh(mesh).get_group())
     settle_buckets(wrapped, cfg, ctx)
     optimizer = build_adamw(wrapped, cfg.optim, ctx.device)
     return TorchEngine(wrapped, optimizer, cfg, ctx.device, no_sync=wrapped.no_sync)

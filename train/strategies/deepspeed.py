@@ -17,6 +17,7 @@ import warnings
 from typing import Iterable, Tuple
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from train.config import RunConfig
 from train.dist import DistContext
@@ -73,7 +74,8 @@ class DeepSpeedEngine:
         return total, norm.to(self.device)
 
 
-def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext) -> DeepSpeedEngine:
+def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh: DeviceMesh) -> DeepSpeedEngine:
+    """``mesh`` is unused: with pp = tp = 1 DeepSpeed's data-parallel group is the world."""
     import deepspeed
 
     # DeepSpeed 0.19 calls all_gather_into_tensor / reduce_scatter_tensor, which torch

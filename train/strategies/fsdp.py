@@ -22,19 +22,20 @@ from __future__ import annotations
 from typing import Iterable, Tuple
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from train.config import RunConfig
 from train.dist import DistContext
 from train.layout import Layout
-from train.mesh import build_mesh, dp_mesh
+from train.mesh import dp_mesh
 from train.model import Transformer
 from train.strategies.base import TorchEngine, build_adamw, compute_dtype
 
 
-class FSDPEngine(TorchEngine):
-    """TorchEngine whose gradient norm is a DTensor, returned as a plain tensor."""
+class DTensorEngine(TorchEngine):
+    """TorchEngine over DTensor parameters (FSDP2, TP): the grad norm comes back a plain tensor."""
 
     def train_step(self, micro_batches: Iterable[Tuple[torch.Tensor, torch.Tensor]], lr: float
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -44,20 +45,21 @@ class FSDPEngine(TorchEngine):
         return loss, grad_norm
 
 
-def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext) -> FSDPEngine:
-    mesh = dp_mesh(build_mesh(layout, ctx.device.type), layout)
+def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh: DeviceMesh) -> DTensorEngine:
+    """Shard over the dp dims of ``mesh``; parameters already on the TP mesh become 2D (dp, tp)."""
+    shard_mesh = dp_mesh(mesh, layout)
     dtype = compute_dtype(cfg, ctx.device)
     # Compute in `dtype`, but reduce gradients in fp32: a bf16 reduce-scatter over many
     # ranks loses precision in the sum.
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     reshard = cfg.strategy.reshard_after_forward
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(block, mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=mp)
     model.to_empty(device=ctx.device)
     model.init_weights(cfg.train.seed, ctx.device)
     optimizer = build_adamw(model, cfg.optim, ctx.device)
-    engine = FSDPEngine(model, optimizer, cfg, ctx.device)
+    engine = DTensorEngine(model, optimizer, cfg, ctx.device)
     # The mixed-precision policy already casts parameters for compute; autocast on top
     # would only add casts. Gradient accumulation needs no no_sync: each micro-batch's
     # reduce-scatter adds into the sharded gradient, which keeps memory at 1/N.

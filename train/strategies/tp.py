@@ -1,0 +1,73 @@
+"""Tensor parallel (Megatron-style, on DTensor) with sequence parallel, as torchtitan does.
+
+The plan is data: module FQN -> ParallelStyle, one for the root and one for every block.
+
+- Attention and MLP: the first matmuls (wq/wk/wv, w1/w3) are column-parallel, each
+  rank computing its slice of the heads / hidden units with no communication; the last
+  (wo, w2) is row-parallel, its partial sums reduce-scattered along the sequence.
+- Between blocks activations stay sharded along the sequence (dim 1), so the norms
+  (SequenceParallel) and the residual adds run on 1/tp of the tokens; each attention /
+  MLP input is all-gathered along the sequence first (PrepareModuleInput).
+- Embedding: row-parallel over the vocabulary (each rank looks up its rows, the partial
+  results are reduce-scattered to sequence shards). Head: column-parallel over the
+  vocabulary, its output gathered, so the loss sees full logits on every TP rank.
+
+Every parameter ends up a DTensor on the TP mesh (norms replicated), so FSDP on top
+gives uniform 2D (dp, tp) parameters and the gradient norm is one DTensor reduction.
+The model's Attention views with -1 heads, so it runs unchanged on its local heads.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from train.config import RunConfig
+from train.dist import DistContext
+from train.layout import Layout
+from train.model import Transformer
+from train.strategies.base import build_adamw
+from train.strategies.fsdp import DTensorEngine
+
+
+def root_plan() -> Dict[str, ParallelStyle]:
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
+def block_plan() -> Dict[str, ParallelStyle]:
+    return {
+        "attention_norm": SequenceParallel(),
+        # (x, rope): gather x along the sequence; rope is a plain tensor, left alone.
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Shard the (meta) model in place; must run before activation checkpointing wraps blocks."""
+    parallelize_module(model, tp_mesh, root_plan())
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan())
+
+
+def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh: DeviceMesh) -> DTensorEngine:
+    """Tensor parallel only (no data parallel): parallelize() has applied the plan already."""
+    model.to_empty(device=ctx.device)
+    model.init_weights(cfg.train.seed, ctx.device)
+    optimizer = build_adamw(model, cfg.optim, ctx.device)
+    return DTensorEngine(model, optimizer, cfg, ctx.device)
