@@ -6,6 +6,7 @@ one ConfigError line naming a field; through the CLI, a refused config submits n
 from __future__ import annotations
 
 import subprocess
+import uuid
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -71,12 +72,13 @@ def test_field_values_are_valid_or_refused(steps, mb, seq, precision):
                             "train.seq_len=100000", "strategy.mixed_precision=fp8", "train.steps=-1",
                             "strategy.pipeline_parallel=0", "cluster.gpus_per_node=0"]))
 def test_refused_configs_submit_nothing(tmp_path, slurm_cluster, bad):
-    before = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True,
-                            text=True).stdout.split()
-    proc = launcher(["+cluster=localslurm", bad], cwd=tmp_path, env=slurm_cluster, timeout=60)
+    name = f"refused-{uuid.uuid4().hex[:12]}"  # other tests may submit meanwhile: look for ours only
+    proc = launcher(["+cluster=localslurm", bad, f"launcher.job_name={name}"], cwd=tmp_path, env=slurm_cluster,
+                    timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    sacct_last = subprocess.run(["sacct", "-X", "-n", "-o", "JobID", "-S", "now-10seconds"], env=slurm_cluster,
-                                capture_output=True, text=True).stdout.split()
-    after = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True).stdout.split()
-    assert set(after) <= set(before) and "submitted job" not in proc.stdout
-    assert not (set(sacct_last) - set(before))
+    assert "submitted job" not in proc.stdout
+    queued = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], env=slurm_cluster, capture_output=True,
+                            text=True).stdout.split()
+    accounted = subprocess.run(["sacct", "-X", "-n", "--name", name, "-o", "JobID", "-S", "now-300seconds"],
+                               env=slurm_cluster, capture_output=True, text=True).stdout.split()
+    assert queued == [] and accounted == []
