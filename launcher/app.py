@@ -33,6 +33,23 @@ class LaunchState:
 STATE = LaunchState()
 
 
+def run_config(dcfg) -> RunConfig:
+    """Hydra's composed config -> RunConfig dataclasses.
+
+    conf/config.yaml is built on the registered ``run_schema``, so Hydra's DictConfig is
+    already typed and checked field by field: ``to_object`` builds the dataclasses at once
+    (~1.5 ms). ``to_run_config`` merges a fresh structured schema first (~40 ms a point);
+    it stays for YAML files and untyped mappings.
+    """
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(dcfg) and OmegaConf.get_type(dcfg) is RunConfig:
+        obj = OmegaConf.to_object(dcfg)
+        if isinstance(obj, RunConfig):
+            return obj
+    return to_run_config(dcfg)
+
+
 def check(cfg: RunConfig) -> Tuple[Layout, Optional[str]]:
     """Every check that needs no submission; returns the layout and the slurm.conf to use."""
     validate(cfg)
@@ -76,7 +93,7 @@ def run_point(dcfg, run_dir: Path, multirun: bool, label: str, overrides: List[s
                             **fields)
 
     try:
-        cfg = to_run_config(dcfg)
+        cfg = run_config(dcfg)
         layout, slurm_conf = check(cfg)
     except ConfigError as exc:
         if multirun:

@@ -12,7 +12,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple, Union
 
 from slurm import query, sbatch
 from train.config import ConfigError, RunConfig
@@ -42,25 +42,41 @@ def resolve_slurm_conf(cfg: RunConfig) -> Optional[str]:
     return conf
 
 
+# What Slurm said per (slurm.conf, partition) in this process: the controller and the
+# partitions do not change while one sweep is checked, and asking once per point cost a
+# `scontrol ping` + `sinfo` round trip each (~0.1 s per point). Failures are cached too,
+# so a dead controller costs one timeout, not one per point.
+_PING: Dict[Optional[str], Optional[str]] = {}
+_PARTITION_NODES: Dict[Tuple[Optional[str], str], Union[int, str]] = {}
+
+
 def check_slurm(cfg: RunConfig, slurm_conf: Optional[str]) -> None:
     if shutil.which("sbatch") is None:
         raise ConfigError(f"cluster={cfg.cluster.name} needs Slurm but `sbatch` is not on PATH; run on a login "
                           "node, install Slurm's client (`make setup`), or use +cluster=local")
-    try:
-        query.ping(query.slurm_env(slurm_conf))
-    except (query.SlurmUnavailable, OSError) as exc:
+    if slurm_conf not in _PING:
+        try:
+            query.ping(query.slurm_env(slurm_conf))
+            _PING[slurm_conf] = None
+        except (query.SlurmUnavailable, OSError) as exc:
+            _PING[slurm_conf] = str(exc).splitlines()[0][:160]
+    if _PING[slurm_conf] is not None:
         where = slurm_conf or "the default slurm.conf"
         hint = "start it with `make cluster-up`" if cfg.cluster.slurm_conf == "auto" else \
             "set cluster.slurm_conf=PATH or SLURM_CONF, or use +cluster=local"
         raise ConfigError(f"cluster={cfg.cluster.name}: no Slurm controller answers ({where}): "
-                          f"{str(exc).splitlines()[0][:160]}; {hint}") from None
+                          f"{_PING[slurm_conf]}; {hint}")
     partition = cfg.cluster.partition
     if partition:  # a job larger than its partition would pend forever
-        try:
-            total = query.partition_nodes(partition, query.slurm_env(slurm_conf))
-        except query.SlurmUnavailable as exc:
-            raise ConfigError(f"cluster.partition={partition}: {str(exc)[:160]}; pick an existing "
-                              "partition (sinfo -s)") from None
+        key = (slurm_conf, partition)
+        if key not in _PARTITION_NODES:
+            try:
+                _PARTITION_NODES[key] = query.partition_nodes(partition, query.slurm_env(slurm_conf))
+            except query.SlurmUnavailable as exc:
+                _PARTITION_NODES[key] = str(exc)[:160]
+        total = _PARTITION_NODES[key]
+        if isinstance(total, str):
+            raise ConfigError(f"cluster.partition={partition}: {total}; pick an existing partition (sinfo -s)")
         if cfg.cluster.nodes > total:
             raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} exceeds the {total} nodes of partition "
                               f"{partition}; use cluster.nodes<={total}")
