@@ -111,3 +111,14 @@ def test_async_save_commits_and_does_not_change_training(tmp_path, reference):
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000008"]
     assert all(verify(p) is None for p in root.glob("step_*"))
     assert by_step(run_dir) == by_step(reference)
+
+
+def test_checkpoint_on_demand(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "SAVE_NOW").touch()  # requested before the first step: saved after step 1
+    proc = launcher(["train.steps=3", "train.seq_len=32", "data.num_tokens=50000", f"launcher.run_dir={run_dir}"],
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == ["step_00000001"]
+    assert not (run_dir / "SAVE_NOW").exists()

@@ -21,6 +21,10 @@ from train.watchdog import COLLECTIVE, Watchdog
 from train.rundir import append_metrics
 
 
+# A checkpoint on demand: `touch RUN_DIR/SAVE_NOW`; the next step boundary saves it.
+SAVE_REQUEST = "SAVE_NOW"
+
+
 def lr_at(step: int, cfg: RunConfig) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio x lr at the last step."""
     o, total = cfg.optim, cfg.train.steps
@@ -69,6 +73,8 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
         # whose summation order may vary, the logged loss is bitwise reproducible.
         minutes_due = cfg.checkpoint.every_minutes > 0 and ctx.is_main and \
             time.monotonic() - last_save >= cfg.checkpoint.every_minutes * 60
+        requested = ctx.is_main and (run_dir / SAVE_REQUEST).exists()  # on demand: touch RUN_DIR/SAVE_NOW
+        minutes_due = minutes_due or requested
         local = torch.tensor([loss.item(), grad_norm.item(), peak_memory_bytes(ctx.device), flag.code,
                               float(minutes_due)], dtype=torch.float64, device=loss.device)
         gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
@@ -107,6 +113,8 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
                       blocking=not background)
             last_save = time.monotonic()
             watchdog.progress(step + 1)
+            if ctx.is_main:
+                (run_dir / SAVE_REQUEST).unlink(missing_ok=True)
             log(f"checkpoint step {step + 1} {'started' if background else 'committed'} in "
                 f"{ckpt.last_save_s:.2f} s")
             if preempted:
