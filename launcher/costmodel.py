@@ -7,7 +7,8 @@ tree are in docs/planner.md. In short, per optimizer step on one GPU:
     bubble   = compute x (pp - 1) / (v x microbatches)                  (pipeline flush)
     dp comm  = bytes / bandwidth; all-reduce 2(n-1)/n, all-gather and reduce-scatter
                (n-1)/n of the bytes; hidden behind compute up to the compute it overlaps
-    tp comm  = 4 all-reduces of the activations per block (+2 per recomputed block)
+    tp comm  = 4 all-reduces of the activations per block (+2 per recomputed block), and
+               the logits gathered and their gradient scattered
     pp comm  = activations and their gradients once per microbatch to the next stage
     step     = compute + bubble + exposed dp comm + tp comm + pp comm + offload traffic
 """
@@ -133,6 +134,8 @@ def step_time(cfg: RunConfig, layout: Layout, mfu: float = MFU) -> Optional[Step
     if layout.tp > 1:
         reduces = {"none": 4, "selective": 5, "full": 6}[s.activation_checkpointing]
         volume = reduces * all_reduce_bytes(layout.tp, micro_tokens * m.dim * e) * layers * t.grad_accum
+        # the logits are gathered for the loss, their gradient scattered back
+        volume += 2 * all_gather_bytes(layout.tp, micro_tokens * m.vocab_size * e) * t.grad_accum
         tp_s = volume / (link_gbps(cfg, layout, layout.tp, 1) * 1e9)
     if layout.pp > 1:
         # point-to-point to the neighbour stage, tp x dp ranks away

@@ -122,21 +122,25 @@ def uses_autocast(cfg: RunConfig) -> bool:
 
 def block_bytes(m: ModelConfig, tp: int, e: int, autocast: bool, checkpointed: bool) -> float:
     """Bytes one block saves for backward per token (Korthikanti et al. 2022's method
-    applied to train/model.py's block: RMSNorm in fp32, GQA with fused attention, SwiGLU).
+    applied to train/model.py's block: RMSNorm computed in fp32, GQA with fused attention,
+    SwiGLU, no dropout).
 
-    not checkpointed: each RMSNorm 12h bytes (fp32 input and normalised copy, the output;
-    under autocast the output is cast once per consuming matmul: 14h and 12h), then in
-    compute dtype q h, k and v 2 kv, attention output h, w1 / w3 / silu / product 4f
-    checkpointed:     the block input only (residual stream: fp32 under autocast)
-    Divided by tp: tensor parallel with sequence parallelism (torchtitan's Llama plan)
-    shards the norms' inputs along the sequence; without it the h terms stay whole.
+    not checkpointed: each RMSNorm 12h (fp32 input and normalised copies, the output);
+                      under autocast 14h and 12h (fp32 input and normalised, then one
+                      bf16 cast of the output per consuming matmul); then in compute dtype
+                      q h, k and v 2 kv, attention output h, w1 / w3 / silu / product 4f
+    checkpointed:     the block input only (the residual stream: fp32 under autocast)
+    Tensor parallel (train/strategies/tp.py, sequence parallel on DTensor) divides all by
+    tp except the norms' outputs, which are all-gathered for the column-parallel matmuls
+    and saved whole (Megatron keeps them sharded and gathers again in backward).
     """
     h, f = m.dim, ffn_hidden_dim(m)
     if checkpointed:
         return (4 if autocast else e) * h / tp
     kv = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
+    whole = 10 * h if autocast else 2 * e * h
     norms = (26 if autocast else 24) * h
-    return (norms + e * (2 * h + 2 * kv + 4 * f)) / tp
+    return (norms - whole + e * (2 * h + 2 * kv + 4 * f)) / tp + whole
 
 
 def checkpointed_blocks(layers: int, mode: str) -> int:
@@ -150,7 +154,8 @@ def activation_bytes(cfg: RunConfig, layout: Layout, mode: str) -> float:
 
     Per token: the stage's blocks (checkpointed ones keep only their input), plus the
     output layer: the final norm 12h, logits in compute dtype, the fp32 log-softmax kept
-    by cross-entropy and its fp32 gradient, (e + 8) x vocab, all / tp. Pipeline: micro-steps
+    by cross-entropy and its fp32 gradient, (e + 8) x vocab (whole on every TP rank:
+    tp.py gathers the logits for the loss). Pipeline: micro-steps
     split into pp_microbatches; 1F1B keeps min(pp, m) microbatches in flight on the first
     stage, GPipe all m."""
     m, s, t = cfg.model, cfg.strategy, cfg.train
@@ -163,7 +168,8 @@ def activation_bytes(cfg: RunConfig, layout: Layout, mode: str) -> float:
     # recomputed activations (+1 block).
     last_recomputed = mode == "full" or (mode == "selective" and (layers - 1) % 2 == 0)
     blocks = ckpt * kept + (layers - ckpt) * full + full + (full if last_recomputed else 0.0)
-    logits = (12 * m.dim + (e + 8) * m.vocab_size) / layout.tp  # final norm, then the head
+    # final norm (its output gathered whole), then the head: tp.py gathers the logits
+    logits = (12 - e) * m.dim / layout.tp + e * m.dim + (e + 8) * m.vocab_size
     tokens = t.micro_batch_size * t.seq_len
     if layout.pp == 1:
         return tokens * (blocks + logits)

@@ -58,8 +58,10 @@ def parse_plan_args(args: List[str]) -> Tuple[Dict[str, object], List[str]]:
                 number = kind(value)
             except ValueError:
                 raise ConfigError(f"{arg}: plan.{key} must be a {kind.__name__}") from None
-            if number <= 0 or (key == "mfu" and number > 1):
-                raise ConfigError(f"{arg}: plan.{key} must be > 0" + (" and <= 1" if key == "mfu" else ""))
+            low = 0 if key == "top" else 1e-9  # top=0 prints no ranking
+            if number < low or (key == "mfu" and number > 1):
+                raise ConfigError(f"{arg}: plan.{key} must be " + ("0 or more" if key == "top" else "> 0")
+                                  + (" and <= 1" if key == "mfu" else ""))
             opts[key] = number
     return opts, rest
 
