@@ -1,9 +1,10 @@
 """Tier 3: every strategy at 2 and 4 gloo ranks trains like one process on the same batch.
 
 Reference: one rank with DDP and micro_batch_size = 8, the global batch every case
-splits over its data-parallel ranks (TP ranks of one group share their batch). Each strategy runs 5 steps of the tiny model in fp32 through the
-launcher; losses and gradient norms must match within 1e-4 relative. Clipping is set
-below the gradient norm (~0.62) so every engine's clipping is exercised too.
+splits over its data-parallel ranks (TP ranks of one group share their batch). Each
+strategy runs 5 steps of the tiny model in fp32 through the launcher; losses and
+gradient norms must match within 1e-4 relative. Clipping is set below the gradient
+norm (~0.62) so every engine's clipping is exercised too.
 """
 from __future__ import annotations
 
