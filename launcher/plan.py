@@ -87,7 +87,6 @@ def compose(overrides: List[str]) -> RunConfig:
 
 
 def plan_one(cfg: RunConfig, mfu: float = MFU) -> Tuple[Layout, Memory, Optional[StepTime]]:
-    validate(cfg)
     layout = build_layout(cfg)
     return layout, estimate(cfg, layout), step_time(cfg, layout, mfu)
 
@@ -239,6 +238,7 @@ def plan_point(overrides: List[str], opts: Dict[str, object]):
     rows = []
     for name in [None] if given else group_options("strategy"):
         cfg = compose(overrides if name is None else [f"+strategy={name}", *overrides])
+        validate(cfg)  # field errors are the user's, whatever the strategy: exit 2
         try:
             rows.append((cfg.strategy.name, cfg, plan_one(cfg, float(opts["mfu"]))))
         except ConfigError as exc:

@@ -147,7 +147,7 @@ def test_step_time_on_fixed_inputs():
 
 def test_recommendation_follows_decision_tree_at_the_ends():
     small = candidates(compose_run(["+cluster=h100x8", "+model=llama3_8b", "train.seq_len=4096",
-                                        "train.micro_batch_size=1"]))
+                                    "train.micro_batch_size=1"]))
     assert small[0].layout.tp == 1 and small[0].layout.pp == 1 and small[0].memory.shard_degree == 8
     big = candidates(compose_run(["+cluster=h100x8", "+model=llama3_405b", "cluster.nodes=16", *LONG]))
     assert big and big[0].layout.tp > 1 and big[0].layout.dp > 1
@@ -204,6 +204,7 @@ def test_table_output():
     (["train.foo=1"], "unknown field 'train.foo'"),
     (["+cluster=a100x8", "cluster.nodes=1,2"], "add -m"),
     (["+cluster=a100x8", "cluster.nodes=abc"], "cannot compose"),
+    (["+cluster=a100x8", "train.seq_len=8192"], "exceeds model.max_seq_len=256"),
     (["+cluster=a100x8", "+strategy=ddp", "strategy.tensor_parallel=16"], "TP must stay inside one node"),
 ])
 def test_bad_input_is_one_line_exit_2(args, expect):
