@@ -12,7 +12,8 @@ from train.config import RunConfig
 from train.data import ShardedLoader, token_file
 from train.dist import DistContext
 from train.layout import Layout
-from train.metrics import flops_per_token, mfu, peak_memory_bytes
+from train.metrics import mfu, peak_memory_bytes
+from train.model_size import flops_per_token
 from train.model import build_model
 from train.checkpoint import Checkpointer
 from train.parallelize import parallelize

@@ -1,10 +1,10 @@
 """Throughput, MFU and memory of a training step.
 
 MFU = achieved FLOP/s / (peak FLOP/s per GPU x GPUs). FLOPs per token follow the PaLM
-paper's estimate used by torchtitan: 6 x (parameters without embeddings) for the dense
-matmuls of forward and backward, plus 12 x layers x heads x head_dim x seq_len for
-attention scores. Peak is the cluster group's dense bf16 figure; without one, MFU is
-null.
+paper's estimate used by torchtitan (train/model_size.py, shared with the planner):
+6 x (parameters without embeddings) for the dense matmuls of forward and backward, plus
+12 x layers x heads x head_dim x seq_len for attention scores. Peak is the cluster
+group's dense bf16 figure; without one, MFU is null.
 """
 from __future__ import annotations
 
@@ -13,16 +13,6 @@ import sys
 from typing import Optional
 
 import torch
-
-from train.config import ModelConfig
-from train.model import count_params
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    n = count_params(cfg)
-    embedding = cfg.vocab_size * cfg.dim
-    head_dim = cfg.dim // cfg.n_heads
-    return 6.0 * (n - embedding) + 12.0 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak_tflops: Optional[float], n_gpus: int) -> Optional[float]:
