@@ -32,7 +32,18 @@ def _hydra_entry(dcfg: DictConfig) -> None:
     app.STATE.exit_code = max(app.STATE.exit_code, 0 if code == 2 else code)
 
 
+def _plugin_importable() -> None:
+    """Hydra loads launchers only from the ``hydra_plugins`` namespace package; ours is
+    ``hydra_plugins/sto_sweep`` in this checkout, which an editable install of the
+    project (launcher, train, slurm) does not map. Append the checkout as a last resort."""
+    import importlib.util
+
+    if importlib.util.find_spec("hydra_plugins.sto_sweep") is None:
+        sys.path.append(str(Path(__file__).resolve().parent.parent))
+
+
 def main() -> None:
+    _plugin_importable()
     register_configs()
     register_resolvers()
     args = sys.argv[1:]

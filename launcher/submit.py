@@ -1,18 +1,22 @@
-"""Submission to Slurm with submitit: parameters, dry run, submit, wait.
+"""Submission to Slurm with submitit: parameters, dry run, submit, job arrays, wait.
 
-One sweep point is one job: ``nodes`` x ``gpus_per_node`` srun tasks, one per GPU (per
-CPU slot on CPU clusters). submitit writes the batch script, per-rank logs
-(``slurm/%j_%t_log.out``) and the pickled :class:`train.job.TrainJob` under
-``RUN_DIR/slurm``; the script used is copied to ``RUN_DIR/sbatch.sh``.
+One sweep point is one job (or one element of a job array of identical jobs, see
+:func:`submit_array`): ``nodes`` x ``gpus_per_node`` srun tasks, one per GPU (per CPU
+slot on CPU clusters). submitit writes the batch script, per-rank logs
+(``slurm/%j_%t_log.out``; ``%A_%a_%t`` for array elements) and the pickled
+:class:`train.job.TrainJob` under ``RUN_DIR/slurm``; the script used is copied to
+``RUN_DIR/sbatch.sh``.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from slurm import query, sbatch
 from train.config import ConfigError, RunConfig
@@ -50,31 +54,48 @@ _PING: Dict[Optional[str], Optional[str]] = {}
 _PARTITION_NODES: Dict[Tuple[Optional[str], str], Union[int, str]] = {}
 
 
+def _ask_slurm(slurm_conf: Optional[str], partition: Optional[str]) -> None:
+    """`scontrol ping` and the partition's size, side by side (one round trip's wait)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = query.slurm_env(slurm_conf)
+
+    def ping() -> None:
+        try:
+            query.ping(env)
+            _PING[slurm_conf] = None
+        except (query.SlurmUnavailable, OSError) as exc:
+            _PING[slurm_conf] = str(exc).splitlines()[0][:160]
+
+    def size() -> None:
+        try:
+            _PARTITION_NODES[(slurm_conf, partition)] = query.partition_nodes(partition, env)
+        except (query.SlurmUnavailable, OSError) as exc:
+            _PARTITION_NODES[(slurm_conf, partition)] = str(exc)[:160]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        asked = [pool.submit(ping)] if slurm_conf not in _PING else []
+        if partition and (slurm_conf, partition) not in _PARTITION_NODES:
+            asked.append(pool.submit(size))
+        for future in asked:
+            future.result()  # re-raises what the workers do not turn into a message
+
+
 def check_slurm(cfg: RunConfig, slurm_conf: Optional[str]) -> None:
     if shutil.which("sbatch") is None:
         raise ConfigError(f"cluster={cfg.cluster.name} needs Slurm but `sbatch` is not on PATH; run on a login "
                           "node, install Slurm's client (`make setup`), or use +cluster=local")
-    if slurm_conf not in _PING:
-        try:
-            query.ping(query.slurm_env(slurm_conf))
-            _PING[slurm_conf] = None
-        except (query.SlurmUnavailable, OSError) as exc:
-            _PING[slurm_conf] = str(exc).splitlines()[0][:160]
+    partition = cfg.cluster.partition
+    if slurm_conf not in _PING or (partition and (slurm_conf, partition) not in _PARTITION_NODES):
+        _ask_slurm(slurm_conf, partition)
     if _PING[slurm_conf] is not None:
         where = slurm_conf or "the default slurm.conf"
         hint = "start it with `make cluster-up`" if cfg.cluster.slurm_conf == "auto" else \
             "set cluster.slurm_conf=PATH or SLURM_CONF, or use +cluster=local"
         raise ConfigError(f"cluster={cfg.cluster.name}: no Slurm controller answers ({where}): "
                           f"{_PING[slurm_conf]}; {hint}")
-    partition = cfg.cluster.partition
     if partition:  # a job larger than its partition would pend forever
-        key = (slurm_conf, partition)
-        if key not in _PARTITION_NODES:
-            try:
-                _PARTITION_NODES[key] = query.partition_nodes(partition, query.slurm_env(slurm_conf))
-            except query.SlurmUnavailable as exc:
-                _PARTITION_NODES[key] = str(exc)[:160]
-        total = _PARTITION_NODES[key]
+        total = _PARTITION_NODES[(slurm_conf, partition)]
         if isinstance(total, str):
             raise ConfigError(f"cluster.partition={partition}: {total}; pick an existing partition (sinfo -s)")
         if cfg.cluster.nodes > total:
@@ -126,6 +147,68 @@ def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[s
     except OSError:
         pass
     return job
+
+
+# Elements per job array: Slurm's default MaxArraySize is 1001 (indices 0..1000).
+ARRAY_MAX = 1000
+
+
+class SubmissionError(RuntimeError):
+    """sbatch refused a job (its message is the first line of sbatch's)."""
+
+
+def submit_array(cfg: RunConfig, layout: Layout, run_dirs: List[Path], slurm_conf: Optional[str],
+                 sweep_dir: Path) -> List[str]:
+    """Submit one job array for runs whose sbatch parameters are all those of ``cfg``;
+    return the element ids ("ARRAY_TASK", e.g. "123_4") in the order of ``run_dirs``.
+
+    Each run directory keeps its own submitit files and logs (status and report read
+    ``slurm/*_log.err``; submitit's ``submit_array`` would put every element's into one
+    folder). The array's folder is ``SWEEP/.arrays/<uid>/%a``, where ``<uid>/<i>`` links to
+    element i's ``RUN_DIR/slurm``: Slurm expands ``%a`` in the ``--output`` paths, and
+    submitit's job side in the folder where it finds the element's pickle. submitit's
+    executor refuses such a folder for the array job itself, so the script is rendered
+    with submitit's own function (as for a dry run), sbatch is called here, and the
+    pickles are the ``DelayedSubmission`` files submitit itself writes.
+    """
+    ids: List[str] = []
+    for first in range(0, len(run_dirs), ARRAY_MAX):
+        ids += _submit_one_array(cfg, layout, run_dirs[first:first + ARRAY_MAX], slurm_conf, sweep_dir)
+    return ids
+
+
+def _submit_one_array(cfg: RunConfig, layout: Layout, run_dirs: List[Path], slurm_conf: Optional[str],
+                      sweep_dir: Path) -> List[str]:
+    from submitit.core.utils import DelayedSubmission
+
+    if slurm_conf:
+        os.environ["SLURM_CONF"] = slurm_conf  # sbatch here and every task of the job read it
+    uid = uuid.uuid4().hex[:12]
+    base = sweep_dir / ".arrays" / uid
+    base.mkdir(parents=True)
+    params = dict(slurm_parameters(cfg, layout), map_count=len(run_dirs), array_parallelism=len(run_dirs))
+    script = sbatch.render(params, base / "%a")
+    (base / "submission.sh").write_text(script)
+    pending = []
+    for i, run_dir in enumerate(run_dirs):
+        (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(run_dir / "slurm", base), base / str(i))
+        (run_dir / "sbatch.sh").write_text(script)
+        job = DelayedSubmission(TrainJob(str(run_dir)))
+        job.set_timeout(params["time"], cfg.cluster.max_requeues)
+        tmp = run_dir / "slurm" / f".array-{uid}.pkl"  # renamed once the array's id is known
+        job.dump(tmp)
+        pending.append(tmp)
+    proc = subprocess.run(["sbatch", "--parsable", str(base / "submission.sh")], capture_output=True, text=True)
+    if proc.returncode != 0:
+        for tmp in pending:
+            tmp.unlink(missing_ok=True)
+        raise SubmissionError(f"sbatch refused the job array: {(proc.stderr or proc.stdout).strip()[:300]}")
+    array_id = proc.stdout.strip().split(";")[0]
+    ids = [f"{array_id}_{i}" for i in range(len(run_dirs))]
+    for job_id, tmp in zip(ids, pending):  # the job side waits up to 60 s for its pickle
+        os.replace(tmp, tmp.with_name(f"{job_id}_submitted.pkl"))
+    return ids
 
 
 def wait(job_id: str, run_dir: Path, slurm_conf: Optional[str], poll_s: float = 1.0) -> str:

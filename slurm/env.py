@@ -86,6 +86,9 @@ def rendezvous_port(job_id: str, base: int = 29500, span: int = 10000) -> int:
 class SlurmTaskEnv:
     """The parts of one srun task's environment that rendezvous needs."""
 
+    # Slurm's id of this job: "ARRAYID_TASKID" for an element of a job array, the id
+    # squeue/sacct/scancel/scontrol take for that element alone (its raw SLURM_JOB_ID can
+    # equal the array's id, which those commands take for the whole array).
     job_id: str
     rank: int
     world_size: int
@@ -95,6 +98,9 @@ class SlurmTaskEnv:
     num_nodes: int
     hostnames: List[str]
     restart_count: int
+    # SLURM_JOB_ID: unique per job and per array element, so the rendezvous port of
+    # concurrent elements differs (empty: use job_id).
+    raw_job_id: str = ""
 
     @property
     def master_addr(self) -> str:
@@ -102,7 +108,7 @@ class SlurmTaskEnv:
 
     @property
     def master_port(self) -> int:
-        return rendezvous_port(self.job_id)
+        return rendezvous_port(self.raw_job_id or self.job_id)
 
 
 def _int(env: Mapping[str, str], key: str, default: Optional[int] = None) -> int:
@@ -120,6 +126,16 @@ def in_srun_task(env: Mapping[str, str] | None = None) -> bool:
     return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
 
 
+def slurm_job_id(env: Mapping[str, str] | None = None) -> Optional[str]:
+    """This job's id as Slurm's commands take it: "ARRAYID_TASKID" inside an element of a
+    job array, else SLURM_JOB_ID (None outside a job)."""
+    env = os.environ if env is None else env
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return env.get("SLURM_JOB_ID")
+
+
 def slurm_task_env(env: Mapping[str, str] | None = None) -> SlurmTaskEnv:
     """Parse the SLURM_* variables of an srun task."""
     env = os.environ if env is None else env
@@ -131,8 +147,7 @@ def slurm_task_env(env: Mapping[str, str] | None = None) -> SlurmTaskEnv:
     num_nodes = _int(env, "SLURM_STEP_NUM_NODES", _int(env, "SLURM_JOB_NUM_NODES", len(hosts)))
     local_world = _int(env, "SLURM_NTASKS_PER_NODE", max(1, world // max(1, num_nodes)))
     return SlurmTaskEnv(
-        # Unique per array element too, so concurrent array tasks get distinct ports.
-        job_id=env.get("SLURM_JOB_ID", "0"),
+        job_id=slurm_job_id(env) or "0",
         rank=_int(env, "SLURM_PROCID"),
         world_size=world,
         local_rank=_int(env, "SLURM_LOCALID"),
@@ -141,4 +156,5 @@ def slurm_task_env(env: Mapping[str, str] | None = None) -> SlurmTaskEnv:
         num_nodes=num_nodes,
         hostnames=hosts,
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
+        raw_job_id=env.get("SLURM_JOB_ID", "0"),
     )

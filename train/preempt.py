@@ -9,8 +9,9 @@
 3. All ranks save one checkpoint together and commit it atomically (train.checkpoint).
 4. Rank 0 decides: a signal with little time left is a *timeout*, otherwise a
    *preemption* (counted separately in run.json). Unless the cap ``cluster.max_requeues``
-   is reached, rank 0 runs ``scontrol requeue $SLURM_JOB_ID``: the job keeps its id and
-   run directory, and the restarted tasks resume from the checkpoint. Then every rank
+   is reached, rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` (``ARRAYID_TASKID`` in a job
+   array: see :func:`in_slurm_job`): the job keeps its id and run directory, and the
+   restarted tasks resume from the checkpoint. Then every rank
    exits cleanly. A SIGTERM alone (no USR2 before it) is a cancellation or an
    administrator's requeue: the checkpoint is saved but the job is not requeued by us
    (a cancelled job must stay cancelled; Slurm requeues it itself when that was asked).
@@ -20,11 +21,12 @@ path (submitit's Checkpointable is not used).
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
 from typing import Optional
+
+from slurm.env import slurm_job_id
 
 # A signal that arrives when less than signal_delay + this margin remains is a timeout.
 TIMEOUT_MARGIN_S = 60
@@ -109,4 +111,7 @@ def cancel(job_id: str) -> None:
 
 
 def in_slurm_job() -> Optional[str]:
-    return os.environ.get("SLURM_JOB_ID")
+    """The id to requeue, cancel or query this job by. In an element of a job array that is
+    "ARRAYID_TASKID": the element's own SLURM_JOB_ID equals the array's id for one element,
+    and `scontrol requeue`/`scancel` of that id act on every element (seen on Slurm 22.05)."""
+    return slurm_job_id()

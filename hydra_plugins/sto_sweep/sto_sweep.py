@@ -1,0 +1,58 @@
+"""Hydra plugins that submit a whole sweep from one process (``hydra/launcher=sto``).
+
+Hydra instantiates launchers and sweepers only from the ``hydra_plugins`` namespace
+package, so the two classes live here; the work is in ``launcher.sweep``.
+``conf/config.yaml`` selects both by default (``conf/hydra/{launcher,sweeper}/sto.yaml``).
+
+- ``StoLauncher`` gets every point of the sweep at once: it composes, checks and writes
+  all points, then submits points with identical sbatch parameters as one job array.
+  Hydra's ``BasicLauncher`` instead runs the task function once per point, so each point
+  paid its own composition, Slurm checks and sbatch.
+- ``StoSweeper`` is Hydra's ``BasicSweeper`` (same cartesian product, job numbers,
+  ``multirun.yaml``) without its up-front composition of every point when the launcher
+  checks every point itself: that validation composed each point a second time, and
+  a bad point would stop the whole sweep instead of being skipped with its reason.
+
+Hydra's scanner may execute this module twice: it holds definitions only.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+
+class StoLauncher(Launcher):
+    # Read by StoSweeper: this launcher composes and validates every point itself.
+    validates_every_point = True
+
+    def __init__(self) -> None:
+        self.config: Optional[DictConfig] = None
+        self.hydra_context: Optional[HydraContext] = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config, self.hydra_context = config, hydra_context  # task_function: not called per point
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from launcher import sweep  # lazy: plugin discovery stays fast for every Hydra command
+
+        if self.config is None or self.hydra_context is None:
+            raise RuntimeError("StoLauncher.launch() before setup()")
+        points = sweep.launch(self.config, self.hydra_context.config_loader, job_overrides, initial_job_idx)
+        return [JobReturn(overrides=list(p.overrides), working_dir=str(p.run_dir), task_name="launcher",
+                          status=JobStatus.COMPLETED, _return_value=p.code) for p in points]
+
+
+class StoSweeper(BasicSweeper):
+    def __init__(self, max_batch_size: Optional[int] = None, params: Optional[dict] = None) -> None:
+        super().__init__(max_batch_size=max_batch_size, params=params)
+
+    def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
+        if getattr(self.launcher, "validates_every_point", False):
+            return
+        super().validate_batch_is_legal(batch)  # another launcher (e.g. submitit_slurm): Hydra's check
+
