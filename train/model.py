@@ -8,6 +8,7 @@ the same weights.
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Optional
 
 import torch
@@ -103,7 +104,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0".."n-1" keeps parameter names stable when pipeline
-        # stages drop layers.
+        # stages drop layers; a stage sets the modules it does not hold to None
+        # (train/strategies/pp.py).
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -115,41 +117,50 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int, device: Optional[torch.device] = None) -> None:
         """Deterministic init (same on every rank); call after ``to_empty``.
 
-        Works on plain tensors and on sharded DTensors alike: the weights equal those of
-        an unsharded model with the same seed.
+        Each weight draws from its own generator, seeded by ``seed`` and the weight's name
+        in the full model (``layers.3.attention.wq.weight``), so a pipeline stage that
+        holds only some modules, a sharded DTensor and an unsharded single-process model
+        all get the very same values for the weights they hold.
         """
-        device = device or self.tok_embeddings.weight.device
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        cfg = self.cfg
 
-        def normal_(t: torch.Tensor, std: float) -> None:
+        def normal_(name: str, t: torch.Tensor, std: float) -> None:
+            gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             full = torch.randn(t.shape, generator=gen, dtype=torch.float32).mul_(std).to(t.dtype)
             if isinstance(t, DTensor):
-                # Sharded (FSDP / TP): every rank draws the same full tensor, so the
-                # generator stays in step, and keeps its own piece (no communication).
+                # Sharded (FSDP / TP): every rank draws the full tensor and keeps its own
+                # piece (no communication).
                 full = distribute_tensor(full.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
             t.copy_(full)
 
-        cfg = self.cfg
-        normal_(self.tok_embeddings.weight, 1.0 if not cfg.tie_embeddings else 0.02)
+        if self.tok_embeddings is not None:
+            device = device or self.tok_embeddings.weight.device
+            normal_("tok_embeddings.weight", self.tok_embeddings.weight, 1.0 if not cfg.tie_embeddings else 0.02)
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
-        for layer in self.layers.values():
-            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1,
-                        layer.feed_forward.w3):
-                normal_(lin.weight, 0.02)
-            normal_(layer.attention.wo.weight, out_std)
-            normal_(layer.feed_forward.w2.weight, out_std)
+        for key, layer in self.layers.items():
+            attn, ffn = layer.attention, layer.feed_forward
+            for name, lin in (("attention.wq", attn.wq), ("attention.wk", attn.wk), ("attention.wv", attn.wv),
+                              ("feed_forward.w1", ffn.w1), ("feed_forward.w3", ffn.w3)):
+                normal_(f"layers.{key}.{name}.weight", lin.weight, 0.02)
+            normal_(f"layers.{key}.attention.wo.weight", attn.wo.weight, out_std)
+            normal_(f"layers.{key}.feed_forward.w2.weight", ffn.w2.weight, out_std)
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        if not cfg.tie_embeddings:
-            normal_(self.output.weight, cfg.dim ** -0.5)
+            device = device or attn.wq.weight.device
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not cfg.tie_embeddings:
+            normal_("output.weight", self.output.weight, cfg.dim ** -0.5)
         self.rope = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        """Token ids -> logits; a pipeline stage without the embedding takes (and one
+        without the head returns) the hidden states instead."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Transformer:

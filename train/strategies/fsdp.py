@@ -45,10 +45,12 @@ class DTensorEngine(TorchEngine):
         return loss, grad_norm
 
 
-def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh: DeviceMesh) -> DTensorEngine:
-    """Shard over the dp dims of ``mesh``; parameters already on the TP mesh become 2D (dp, tp)."""
+def apply_fsdp(model: Transformer, cfg: RunConfig, layout: Layout, mesh: DeviceMesh, device: torch.device) -> None:
+    """Shard ``model`` (still on the meta device) over the dp dims of ``mesh``: each block
+    its own unit, then the root. Parameters already on the TP mesh become 2D (dp, tp).
+    Also used per pipeline stage (train/strategies/pp.py)."""
     shard_mesh = dp_mesh(mesh, layout)
-    dtype = compute_dtype(cfg, ctx.device)
+    dtype = compute_dtype(cfg, device)
     # Compute in `dtype`, but reduce gradients in fp32: a bf16 reduce-scatter over many
     # ranks loses precision in the sum.
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -56,6 +58,11 @@ def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext, 
     for block in model.layers.values():
         fully_shard(block, mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=mp)
+
+
+def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh: DeviceMesh) -> DTensorEngine:
+    """Shard over the dp dims of ``mesh``, materialise, and wrap in an engine."""
+    apply_fsdp(model, cfg, layout, mesh, ctx.device)
     model.to_empty(device=ctx.device)
     model.init_weights(cfg.train.seed, ctx.device)
     optimizer = build_adamw(model, cfg.optim, ctx.device)

@@ -59,8 +59,12 @@ def block_plan() -> Dict[str, ParallelStyle]:
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Shard the (meta) model in place; must run before activation checkpointing wraps blocks."""
-    parallelize_module(model, tp_mesh, root_plan())
+    """Shard the (meta) model in place; must run before activation checkpointing wraps blocks.
+
+    A pipeline stage holds only some of the root's modules: the plan keeps those it has.
+    """
+    plan = {fqn: style for fqn, style in root_plan().items() if getattr(model, fqn) is not None}
+    parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan())
 
