@@ -258,18 +258,24 @@ def _engine_load(engine, path: Path) -> None:
 
 
 class _AppState:
-    """DCP Stateful: model + optimizer through get/set_state_dict (DDP, FSDP2, TP alike)."""
+    """DCP Stateful: model + optimizer through get/set_state_dict (DDP, FSDP2, TP alike);
+    an engine with its own ``state_dict`` (pipeline stages) provides it."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
 
     def state_dict(self) -> Dict[str, Any]:
+        if hasattr(self.engine, "state_dict"):
+            return self.engine.state_dict()
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optim = get_state_dict(self.engine.module, self.engine.optimizer)
         return {"model": model, "optim": optim}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if hasattr(self.engine, "load_state_dict"):
+            self.engine.load_state_dict(state)
+            return
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(self.engine.module, self.engine.optimizer, model_state_dict=state["model"],

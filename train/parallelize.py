@@ -4,6 +4,9 @@
 2. activation checkpointing (wraps each block; must see TP's modules, not FSDP's),
 3. torch.compile per block (compiles the checkpointed, TP-sharded block),
 4. data parallel: DDP / FSDP / DeepSpeed, which also materialises the meta model.
+
+With pipeline parallel the model is first split into stages and every stage goes
+through the same order (train/strategies/pp.py).
 """
 from __future__ import annotations
 
@@ -37,9 +40,18 @@ def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistCon
     """Meta model -> engine. Builds the job's one DeviceMesh and hands it to the builder."""
     check_supported(cfg, layout)
     mesh = build_mesh(layout, ctx.device.type)
-    if layout.tp_enabled:
-        apply_tp(model, mesh["tp"])
-    apply_activation_checkpointing(model, cfg.strategy.activation_checkpointing)
-    if cfg.strategy.compile:
-        apply_compile(model)
+
+    def prepare(part: Transformer) -> None:
+        """Steps 1-3 on the whole model, or on one pipeline stage."""
+        if layout.tp_enabled:
+            apply_tp(part, mesh["tp"])
+        apply_activation_checkpointing(part, cfg.strategy.activation_checkpointing)
+        if cfg.strategy.compile:
+            apply_compile(part)
+
+    if layout.pp_enabled:
+        from train.strategies.pp import build_pipeline
+
+        return build_pipeline(model, cfg, layout, ctx, mesh, prepare)
+    prepare(model)
     return get_builder(cfg)(model, cfg, layout, ctx, mesh)

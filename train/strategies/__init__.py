@@ -43,9 +43,42 @@ def check_supported(cfg: RunConfig, layout: Layout) -> None:
         raise ConfigError(f"strategy {cfg.strategy.name!r} (engine={key[0]}, {key[1]}) is not available in this "
                           f"version; available: {known}")
     if layout.pp_enabled:
-        raise ConfigError(f"strategy {cfg.strategy.name!r}: pipeline_parallel={layout.pp} is not available in "
-                          "this version; use strategy.pipeline_parallel=1")
+        _check_pp(cfg, layout, key)
     _check_tp(cfg, layout, key)
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Pipeline stages one rank holds: 2 for the interleaved schedule (looped placement)."""
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def _check_pp(cfg: RunConfig, layout: Layout, key: Tuple[str, str]) -> None:
+    s, name, pp = cfg.strategy, cfg.strategy.name, layout.pp
+    if s.engine != "torch":
+        raise ConfigError(f"strategy {name!r}: pipeline_parallel={pp} with engine={s.engine}: pipeline parallel "
+                          "runs on the torch engine (torch.distributed.pipelining); use +strategy=pp or "
+                          "+strategy=pp_fsdp_tp, or strategy.pipeline_parallel=1")
+    if key == ("torch", "none") and layout.dp > 1:
+        raise ConfigError(f"strategy {name!r}: data_parallel=none but pipeline_parallel={pp} leaves dp={layout.dp} "
+                          f"data-parallel ranks ({layout.describe()}); use strategy.data_parallel=ddp or fsdp")
+    v = stages_per_rank(s.pp_schedule)
+    if pp * v > cfg.model.n_layers:
+        raise ConfigError(f"strategy.pipeline_parallel={pp} x {v} stage(s) per rank ({s.pp_schedule}) = {pp * v} "
+                          f"stages > model.n_layers={cfg.model.n_layers}; use fewer stages or another pp_schedule")
+    if cfg.model.tie_embeddings:
+        raise ConfigError(f"model.tie_embeddings=true with pipeline_parallel={pp}: the embedding and the head "
+                          "live on different stages; use model.tie_embeddings=false or pipeline_parallel=1")
+    m, batch = s.pp_microbatches, cfg.train.micro_batch_size * cfg.train.grad_accum
+    if batch % m:
+        raise ConfigError(f"strategy.pp_microbatches={m} must divide the sequences per rank and step, "
+                          f"train.micro_batch_size x train.grad_accum = {batch}; pick a divisor of {batch}")
+    if s.pp_schedule == "1f1b" and m < pp:
+        raise ConfigError(f"strategy.pp_microbatches={m} < pipeline_parallel={pp}: 1F1B needs at least one "
+                          f"micro-batch per stage; use strategy.pp_microbatches>={pp}")
+    rounds = max(1, m // pp)
+    if s.pp_schedule == "interleaved_1f1b" and m % rounds:
+        raise ConfigError(f"strategy.pp_microbatches={m} with interleaved_1f1b and pipeline_parallel={pp} must be "
+                          f"a multiple of the rounds m // pp = {rounds}; use a multiple of {pp}")
 
 
 def _check_tp(cfg: RunConfig, layout: Layout, key: Tuple[str, str]) -> None:

@@ -1,0 +1,201 @@
+"""Pipeline parallel (torch.distributed.pipelining), alone or with DDP, FSDP and TP.
+
+The model's layers are split into ``pp x v`` contiguous stages (``v = 2`` for the
+interleaved schedule, else 1). Rank ``r`` of a pipeline group holds stages ``r, r + pp,
+...`` (the looped placement of Interleaved 1F1B), so the first stage (with the
+embedding) and the last (with the final norm and the head) sit on the group's first and
+last rank. Each stage is a pruned copy of the meta model: the layers it does not hold
+are deleted and the root modules it does not hold are ``None``, so every parameter
+keeps its name in the full model (checkpoints, weight init and the planner agree).
+
+Per stage, in the order of :mod:`train.parallelize`: tensor parallel, activation
+checkpointing, compile, then the data-parallel wrapper over the ranks of the same
+stage (``data_parallel``: ``none``; ``ddp``, whose gradient all-reduce the stage runs
+only with the last micro-batch's backward; ``fsdp``, sharded as
+:func:`train.strategies.fsdp.apply_fsdp`), then materialisation and init.
+
+A step: the rank's micro-batches of the step (``train.grad_accum`` of
+``train.micro_batch_size`` sequences) are concatenated and the schedule splits them into
+``strategy.pp_microbatches`` pipeline micro-batches. Forward and backward of one
+micro-batch travel the stages with point-to-point sends over the ``pp`` mesh dim:
+
+- ``gpipe``: all forwards, then all backwards; activations of all m micro-batches live
+  at once; idle fraction (p - 1) / (m + p - 1).
+- ``1f1b``: after p - 1 warm-up forwards each rank alternates one forward, one
+  backward; same idle fraction, but at most p micro-batches in flight (needs m >= p).
+- ``interleaved_1f1b``: v = 2 stages per rank; the bubble shrinks to
+  (p - 1) / (v m + p - 1) for v times the point-to-point traffic (Narayanan et al.,
+  2021, "Efficient Large-Scale Language Model Training on GPU Clusters").
+
+Each pipeline micro-batch's loss is the mean over its tokens and the schedule divides
+the summed gradients by m (``scale_grads``), so a step equals one step on the whole
+batch. The last stage's mean loss is broadcast over the pipeline group and the global
+gradient norm sums the squared norms of every stage (all-reduce over ``pp``) before
+clipping, so every engine reports and clips the same numbers.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from train.config import RunConfig
+from train.dist import DistContext
+from train.layout import Layout
+from train.mesh import data_parallel_mesh
+from train.model import Transformer
+from train.strategies import stages_per_rank
+from train.strategies.base import build_adamw, compute_dtype, loss_fn
+from train.strategies.fsdp import apply_fsdp
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def split_layers(n_layers: int, n_stages: int) -> List[List[int]]:
+    """Contiguous layer indices per stage, as even as possible (later stages take the extra
+    layers: the first stage also runs the embedding, the last the head)."""
+    base, extra = divmod(n_layers, n_stages)
+    sizes = [base + (1 if i >= n_stages - extra else 0) for i in range(n_stages)]
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def stage_module(model: Transformer, layer_ids: List[int], first: bool, last: bool) -> Transformer:
+    """A pruned copy of the (meta) model holding these layers; names are the full model's."""
+    part = copy.deepcopy(model)
+    for key in list(part.layers.keys()):
+        if int(key) not in layer_ids:
+            del part.layers[key]
+    if not first:
+        part.tok_embeddings = None
+    if not last:
+        part.norm = None
+        part.output = None
+    return part
+
+
+class PipelineEngine:
+    """Runs one optimizer step through a pipeline schedule; ``parts`` are this rank's stages."""
+
+    def __init__(self, parts: List[nn.Module], optimizers: List[torch.optim.Optimizer], schedule, cfg: RunConfig,
+                 device: torch.device, pp_group, first: bool, last: bool,
+                 autocast: Optional[torch.dtype] = None) -> None:
+        self.parts = parts
+        self.optimizers = optimizers
+        self.schedule = schedule
+        self.device = device
+        self.grad_clip = cfg.optim.grad_clip
+        self.pp_group = pp_group
+        self.first, self.last = first, last
+        self.autocast = autocast
+        self._last_rank = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
+
+    def train_step(self, micro_batches: Iterable[Tuple[torch.Tensor, torch.Tensor]], lr: float
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mean loss of the batch, global grad norm before clipping) on every rank."""
+        batches = list(micro_batches)
+        inputs = torch.cat([x for x, _ in batches]).to(self.device, non_blocking=True)
+        targets = torch.cat([y for _, y in batches]).to(self.device, non_blocking=True)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        losses: List[torch.Tensor] = []
+        args = (inputs,) if self.first else ()
+        amp = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
+               else contextlib.nullcontext())
+        with amp:
+            self.schedule.step(*args, target=targets if self.last else None, losses=losses if self.last else None)
+        if self.last:
+            loss = torch.stack([x.detach().float() for x in losses]).mean()
+        else:
+            loss = torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self._last_rank, group=self.pp_group)
+        grad_norm = self._clip()
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+        return loss, grad_norm
+
+    def _clip(self) -> torch.Tensor:
+        """Global gradient norm over every stage, then clip (torchtitan's PP clipping)."""
+        params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(norm, DTensor):  # FSDP / TP: reduce the partial norms of the shards
+            norm = norm.full_tensor()
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=self.pp_group)
+        total = squared.sqrt()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, total)
+        return total
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Model and optimizer state of every stage held here, keyed by full-model names."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        model: Dict[str, Any] = {}
+        optim: Dict[str, Any] = {}
+        for part, opt in zip(self.parts, self.optimizers):
+            m, o = get_state_dict(part, opt, options=options)
+            model.update(m)
+            optim.update(o)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        for part, opt in zip(self.parts, self.optimizers):
+            mine_m, mine_o = get_state_dict(part, opt, options=options)  # this stage's keys
+            set_state_dict(part, opt, model_state_dict={k: state["model"][k] for k in mine_m},
+                           optim_state_dict={k: state["optim"][k] for k in mine_o}, options=options)
+
+
+def build_pipeline(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh: DeviceMesh,
+                   prepare: Callable[[nn.Module], None]) -> PipelineEngine:
+    """Split the meta model into this rank's stages, ``prepare`` each (TP, activation
+    checkpointing, compile), wrap it for data parallel, materialise, and build the schedule."""
+    s = cfg.strategy
+    pp_mesh = mesh["pp"]
+    pp_rank, pp = pp_mesh.get_local_rank(), layout.pp
+    v = stages_per_rank(s.pp_schedule)
+    n_stages = pp * v
+    layers = split_layers(cfg.model.n_layers, n_stages)
+    stage_ids = [pp_rank + i * pp for i in range(v)]
+    parts: List[nn.Module] = []
+    stages: List[PipelineStage] = []
+    optimizers: List[torch.optim.Optimizer] = []
+    for sid in stage_ids:
+        part = stage_module(model, layers[sid], first=sid == 0, last=sid == n_stages - 1)
+        prepare(part)
+        if s.data_parallel == "fsdp":
+            apply_fsdp(part, cfg, layout, mesh, ctx.device)
+        part.to_empty(device=ctx.device)
+        part.init_weights(cfg.train.seed, ctx.device)
+        if s.data_parallel == "ddp" and layout.dp > 1:
+            device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            part = DDP(part, device_ids=device_ids, gradient_as_bucket_view=True,
+                       process_group=data_parallel_mesh(mesh).get_group())
+        parts.append(part)
+        optimizers.append(build_adamw(part, cfg.optim, ctx.device))
+        stages.append(PipelineStage(part, sid, n_stages, ctx.device, group=pp_mesh.get_group()))
+    schedule_cls = SCHEDULES[s.pp_schedule]
+    schedule = schedule_cls(stages if v > 1 else stages[0], n_microbatches=s.pp_microbatches, loss_fn=loss_fn,
+                            scale_grads=True)
+    # FSDP casts through its mixed-precision policy; otherwise autocast around the schedule.
+    autocast = s.data_parallel != "fsdp" and compute_dtype(cfg, ctx.device) != torch.float32
+    return PipelineEngine(parts, optimizers, schedule, cfg, ctx.device, pp_mesh.get_group(),
+                          first=pp_rank == 0, last=pp_rank == pp - 1,
+                          autocast=compute_dtype(cfg, ctx.device) if autocast else None)
