@@ -15,7 +15,7 @@ CLUSTER_DIR = Path(os.environ.get("LOCALSLURM_DIR", "/tmp/localslurm"))
 
 def launcher(args: List[str], cwd: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m launcher ARGS`` in a subprocess, from ``cwd`` (runs land in cwd/runs)."""
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
 

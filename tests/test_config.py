@@ -6,7 +6,7 @@ import itertools
 import pytest
 from helpers import compose_run as _compose
 from launcher.overrides import group_options
-from train.config import ClusterConfig, ModelConfig, RunConfig, StrategyConfig
+from train.config import ConfigError, ClusterConfig, ModelConfig, RunConfig, StrategyConfig
 from train.layout import build_layout
 from train.model import build_model, count_params
 
@@ -26,7 +26,14 @@ def test_every_combination_composes(cluster, model, strategy):
     assert isinstance(cfg, RunConfig) and isinstance(cfg.cluster, ClusterConfig)
     assert isinstance(cfg.model, ModelConfig) and isinstance(cfg.strategy, StrategyConfig)
     assert (cfg.cluster.name, cfg.model.name, cfg.strategy.name) == (cluster, model, strategy)
-    build_layout(cfg)  # every shipped combination is a valid layout
+    s = cfg.strategy
+    fixed = max(1, s.pipeline_parallel) * max(1, s.dp_replicate) * max(1, s.dp_shard) * max(1, s.tensor_parallel)
+    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    if fixed > world:  # e.g. pp_fsdp_tp (pp 2 x tp 2) on the 2 ranks of `local`: refused, naming the sizes
+        with pytest.raises(ConfigError, match=f"world {world}"):
+            build_layout(cfg)
+        return
+    build_layout(cfg)  # every other shipped combination is a valid layout
 
 
 def test_schema_defaults_are_local_tiny_ddp():

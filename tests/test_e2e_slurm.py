@@ -7,6 +7,7 @@ import time
 import pytest
 
 from conftest import launcher, run_dir_of
+from helpers import strategy_options
 from train.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -50,6 +51,26 @@ def test_two_nodes_two_tasks_each(tmp_path, slurm_cluster):
     assert (run_dir / "sbatch.sh").read_text().count("#SBATCH --nodes=2") == 1
     assert (run_dir / "config.yaml").exists() and (run_dir / "git_commit.txt").exists()
     assert "steps: 10" in proc.stdout and f"run_dir: {run_dir}" in proc.stdout
+
+
+def test_every_strategy_runs_on_two_nodes(tmp_path, slurm_cluster):
+    """Each shipped strategy trains through the launcher on 2 nodes x 2 tasks (one sweep)."""
+    strategies = strategy_options()
+    proc = launcher(["+cluster=localslurm", "+strategy=" + ",".join(strategies), "cluster.nodes=2",
+                     "cluster.gpus_per_node=2", "train.steps=4", "train.seq_len=32", "data.num_tokens=50000",
+                     f"data.cache_dir={tmp_path}/data", "-m"], cwd=tmp_path, env=slurm_cluster, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobs = [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("submitted job")]
+    run_dirs = [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("run_dir: ")]
+    assert len(jobs) == len(run_dirs) == len(strategies), proc.stdout
+    states = wait_terminal(jobs, slurm_cluster, timeout=600)
+    for job, run_dir in zip(jobs, run_dirs):
+        info = read_run_json(run_dir)
+        where = f"{info.get('strategy')} ({run_dir}): {info.get('error')}"
+        assert states[job][1] == "COMPLETED" and info["status"] == "completed", where
+        assert info["world_size"] == 4 and len(set(info["hostnames"])) == 2, where
+        assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4], where
+    assert sorted(read_run_json(d)["strategy"] for d in run_dirs) == sorted(strategies)
 
 
 def test_sweep_submits_one_job_per_point_without_waiting(tmp_path, slurm_cluster):

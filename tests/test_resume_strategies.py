@@ -1,4 +1,5 @@
-"""Exact resume for the data-parallel strategies: DCP (torch) and DeepSpeed's own format.
+"""Exact resume for the sharded strategies: DCP (torch; pipeline stages included) and
+DeepSpeed's own format.
 
 ZeRO-1 is left out for time: it goes through the same DeepSpeed checkpoint code as ZeRO-2
 (seen passing when it was in the list).
@@ -16,7 +17,7 @@ from train.rundir import read_metrics
 
 pytestmark = pytest.mark.slow
 BASE = ["train.steps=12", "train.seq_len=32", "data.num_tokens=50000", "checkpoint.every_steps=4"]
-STRATEGIES = [s for s in ("fsdp", "hsdp", "zero2", "zero3") if s in strategy_options()]
+STRATEGIES = [s for s in ("fsdp", "hsdp", "zero2", "zero3", "pp", "pp_fsdp_tp") if s in strategy_options()]
 
 
 def losses(run_dir):
@@ -28,6 +29,8 @@ def test_kill_in_save_then_resume_is_exact(tmp_path, strategy):
     args = BASE + [f"+strategy={strategy}"]
     if strategy == "hsdp":
         args.append("cluster.nodes=2")  # replicate across 2 "nodes", shard inside each
+    if strategy == "pp_fsdp_tp":
+        args.append("cluster.gpus_per_node=4")  # pp 2 x tp 2: stages hold their own DCP shards
     ref = launcher(args + [f"launcher.run_dir={tmp_path}/ref"], cwd=tmp_path)
     assert ref.returncode == 0, ref.stdout + ref.stderr
     killed = launcher(args + ["fault.kill_in_save_at_step=8", f"launcher.run_dir={tmp_path}/run"], cwd=tmp_path)

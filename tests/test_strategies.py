@@ -1,7 +1,8 @@
 """Tier 3: every strategy at 2 and 4 gloo ranks trains like one process on the same batch.
 
 Reference: one rank with DDP and micro_batch_size = 8, the global batch every case
-splits over its data-parallel ranks (TP ranks of one group share their batch). Each
+splits over its data-parallel ranks (TP ranks and the stages of one pipeline share
+their batch; a pipeline splits it again into its micro-batches). Each
 strategy runs 5 steps of the tiny model in fp32 through the launcher; losses and
 gradient norms must match within 1e-4 relative. Clipping is set below the gradient
 norm (~0.62) so every engine's clipping is exercised too.
@@ -43,6 +44,15 @@ CASES = [
     ("tp", (1, 4), ["strategy.tensor_parallel=4"]),
     ("tp", (1, 2), ["strategy.data_parallel=none"]),  # TP alone, no data-parallel wrapper
     ("fsdp_tp", (1, 4), ["strategy.activation_checkpointing=full"]),  # 2 shards x tp 2; TP, then AC, then FSDP
+    # Pipeline parallel: 2 stages of the 2-layer tiny model; 4-stage and interleaved cases
+    # on a 4-layer model (its own reference).
+    ("pp", (1, 2), []),  # 1F1B, 4 micro-batches
+    ("pp", (1, 2), ["strategy.pp_schedule=gpipe", "train.grad_accum=2"]),
+    ("pp", (1, 4), []),  # pp 2 x DDP 2
+    ("pp", (1, 2), ["strategy.pp_schedule=interleaved_1f1b", "model.n_layers=4"]),  # 4 stages on 2 ranks
+    ("pp", (1, 4), ["strategy.pipeline_parallel=4", "strategy.data_parallel=none", "model.n_layers=4"]),
+    ("pp_fsdp_tp", (1, 4), ["strategy.activation_checkpointing=full"]),  # pp 2 x tp 2
+    ("pp_fsdp_tp", (2, 4), ["strategy.pp_schedule=interleaved_1f1b", "model.n_layers=4"]),  # pp 2 x fsdp 2 x tp 2
 ]
 
 
@@ -58,9 +68,18 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(workdir):
-    run = _run(workdir, workdir / "data", ["cluster.gpus_per_node=1", f"train.micro_batch_size={GLOBAL_BATCH}"])
-    return read_metrics(run)
+def references(workdir):
+    """Single-process reference runs, one per model shape (by its model.* overrides)."""
+    cache = {}
+
+    def get(model_overrides):
+        key = tuple(model_overrides)
+        if key not in cache:
+            run = _run(workdir, workdir / "data", ["cluster.gpus_per_node=1", f"train.micro_batch_size={GLOBAL_BATCH}",
+                                                   *model_overrides])
+            cache[key] = read_metrics(run)
+        return cache[key]
+    return get
 
 
 def _ids(case):
@@ -69,7 +88,8 @@ def _ids(case):
 
 
 @pytest.mark.parametrize("strategy,shape,extra", CASES, ids=[_ids(c) for c in CASES])
-def test_matches_single_process(workdir, reference, strategy, shape, extra):
+def test_matches_single_process(workdir, references, strategy, shape, extra):
+    reference = references([e for e in extra if e.startswith("model.")])
     nodes, gpn = shape
     ranks = nodes * gpn
     overrides = [f"+strategy={strategy}", f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpn}", *extra]

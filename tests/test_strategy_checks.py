@@ -19,8 +19,23 @@ from train.strategies import check_supported
      "strategy 'tp': data_parallel=none but the layout has dp=2 data-parallel ranks"),
     (["+strategy=fsdp_tp", "model.tie_embeddings=true"],
      "model.tie_embeddings=true with tensor_parallel=2"),
-    (["+strategy=fsdp", "strategy.pipeline_parallel=2"],
-     "strategy 'fsdp': pipeline_parallel=2 is not available in this version"),
+    (["+strategy=zero1", "strategy.pipeline_parallel=2"],
+     "strategy 'zero1': pipeline_parallel=2 with engine=deepspeed: pipeline parallel runs on the torch engine"),
+    (["+strategy=pp", "cluster.gpus_per_node=4", "strategy.data_parallel=none"],
+     "strategy 'pp': data_parallel=none but pipeline_parallel=2 leaves dp=2 data-parallel ranks"),
+    (["+strategy=pp", "strategy.pp_schedule=interleaved_1f1b"],
+     "strategy.pipeline_parallel=2 x 2 stage(s) per rank (interleaved_1f1b) = 4 stages > model.n_layers=2"),
+    (["+strategy=pp", "model.tie_embeddings=true"],
+     "model.tie_embeddings=true with pipeline_parallel=2: the embedding and the head live on different stages"),
+    (["+strategy=pp", "train.micro_batch_size=6"],
+     "strategy.pp_microbatches=4 must divide the sequences per rank and step, "
+     "train.micro_batch_size x train.grad_accum = 6"),
+    (["+strategy=pp", "strategy.pp_microbatches=1"],
+     "strategy.pp_microbatches=1 < pipeline_parallel=2: 1F1B needs at least one micro-batch per stage"),
+    (["+strategy=pp", "cluster.gpus_per_node=4", "strategy.pipeline_parallel=4", "strategy.data_parallel=none",
+      "model.n_layers=8", "strategy.pp_schedule=interleaved_1f1b", "strategy.pp_microbatches=9",
+      "train.micro_batch_size=9"],
+     "strategy.pp_microbatches=9 with interleaved_1f1b and pipeline_parallel=4 must be a multiple of the rounds"),
 ])
 def test_refused(overrides, message):
     cfg = compose_run(overrides)
@@ -30,7 +45,8 @@ def test_refused(overrides, message):
 
 @pytest.mark.parametrize("strategy,ranks,shape", [
     ("tp", 2, (1, 1, 1, 2)), ("tp", 8, (1, 4, 1, 2)), ("fsdp_tp", 2, (1, 1, 1, 2)), ("fsdp_tp", 8, (1, 1, 4, 2)),
-    ("hsdp", 4, (1, 1, 4, 1)),
+    ("hsdp", 4, (1, 1, 4, 1)), ("pp", 2, (2, 1, 1, 1)), ("pp", 8, (2, 4, 1, 1)), ("pp_fsdp_tp", 4, (2, 1, 1, 2)),
+    ("pp_fsdp_tp", 8, (2, 1, 2, 2)),
 ])
 def test_supported_layouts(strategy, ranks, shape):
     cfg = compose_run([f"+strategy={strategy}", f"cluster.gpus_per_node={ranks}"])
