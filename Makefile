@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt slurm/cluster/install-deps.sh
 	bash slurm/cluster/install-deps.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip >/dev/null
-	$(BIN)/python -m pip install -q -c constraints-cpu.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints-cpu.txt --config-settings editable_mode=compat -e '.[dev]'
 	touch $(STAMP)
 
 ## demo: train the tiny model with DDP on 2 local ranks (no Slurm) and print a summary

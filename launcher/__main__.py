@@ -61,7 +61,7 @@ def main() -> None:
     if not multirun:
         return
     state = app.STATE
-    if not state.submitted and state.skipped:
+    if not state.accepted and state.skipped:
         print(f"error: every point was skipped ({len(state.skipped)}); nothing submitted", file=sys.stderr)
         sys.exit(2)
     wait = any(a.startswith("launcher.wait=") and a.split("=", 1)[1].lower() in ("true", "1", "yes")

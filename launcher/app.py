@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 from launcher import local, registry, submit
+from launcher.plan import check_fits
 from launcher.rundir import write_provenance
 from launcher.summary import summary_lines
 from slurm import query
@@ -30,6 +31,7 @@ class LaunchState:
 
     submitted: List[Tuple[str, Path, Optional[str]]] = field(default_factory=list)  # job id, run dir, conf
     skipped: List[str] = field(default_factory=list)
+    accepted: int = 0  # points that passed every check (submitted, run locally, dry run or unchanged)
     exit_code: int = 0
 
 
@@ -83,6 +85,7 @@ def check(cfg: RunConfig) -> Tuple[Layout, Optional[str]]:
     validate(cfg)
     layout = build_layout(cfg)
     check_supported(cfg, layout)
+    check_fits(cfg)  # the planner: refuse what is predicted not to fit (launcher.allow_oom=true overrides)
     slurm_conf = None
     if cfg.cluster.backend == "slurm" and not cfg.launcher.dry_run:
         slurm_conf = submit.resolve_slurm_conf(cfg)
@@ -169,6 +172,7 @@ def checked(config, run_dir: Path, multirun: bool, label: str, overrides: List[s
         layout, slurm_conf = check(cfg)
     except ConfigError as exc:
         return refuse(str(exc), run_dir, multirun, label, overrides, record=not config.launcher.dry_run)
+    STATE.accepted += 1
     return Point(cfg, layout, run_dir, slurm_conf, label, overrides, multirun)
 
 

@@ -191,8 +191,8 @@ def check_fits(cfg: RunConfig) -> None:
     """Raise ConfigError (one line) when ``cfg`` is predicted not to fit its GPUs.
 
     Skipped when cluster.gpu_mem_gb is null (CPU and unknown clusters) or when
-    ``launcher.allow_oom`` is true (read with getattr: the launcher owns that field)."""
-    if not cfg.cluster.gpu_mem_gb or getattr(cfg.launcher, "allow_oom", False):
+    ``launcher.allow_oom`` is true."""
+    if not cfg.cluster.gpu_mem_gb or cfg.launcher.allow_oom:
         return
     layout = build_layout(cfg)
     mem = estimate(cfg, layout)

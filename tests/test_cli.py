@@ -16,6 +16,8 @@ from conftest import launcher, run_dir_of
     (["+cluster=a100x8", "strategy.tensor_parallel=16"], "TP must stay inside one node"),
     (["+cluster=a100x8", "cluster.nodes=2", "strategy.dp_replicate=3"], "world 16 != "),
     (["+cluster=a100x8", "cluster.slurm_conf=/nonexistent/slurm.conf"], "no such file"),
+    # the planner's gate: 70B with DDP needs > 1 TB per 80 GB GPU
+    (["+cluster=a100x8", "+model=llama3_70b"], "cluster.gpu_mem_gb=80: llama3_70b with strategy ddp is predicted"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, expect):
     proc = launcher(args, cwd=tmp_path)
@@ -45,10 +47,11 @@ def test_dry_run_prints_script_and_rank_map(tmp_path):
 
 
 def test_user_command_with_plus_prefixes_composes(tmp_path):
-    proc = launcher(["+cluster=a100x8", "+strategy=ddp", "+model=llama3_8b", "-m", "launcher.dry_run=true"],
+    # the users' command (llama3_8b so the ZeRO-3 choice matters: DDP would not fit)
+    proc = launcher(["+cluster=a100x8", "+strategy=zero3", "+model=llama3_8b", "-m", "launcher.dry_run=true"],
                     cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "#SBATCH --gpus-per-node=8" in proc.stdout
+    assert "#SBATCH --gpus-per-node=8" in proc.stdout and "dry run: nothing submitted" in proc.stdout
 
 
 def test_same_command_same_run_dir(tmp_path):
@@ -56,3 +59,18 @@ def test_same_command_same_run_dir(tmp_path):
     b = run_dir_of(launcher(["launcher.dry_run=true", "+cluster=a100x8"], cwd=tmp_path).stdout)
     c = run_dir_of(launcher(["+cluster=h100x8", "launcher.dry_run=true"], cwd=tmp_path).stdout)
     assert a == b != c
+
+
+def test_planner_gate_can_be_overridden_and_sweeps_skip_what_does_not_fit(tmp_path):
+    forced = launcher(["+cluster=a100x8", "+model=llama3_70b", "launcher.allow_oom=true", "launcher.dry_run=true"],
+                      cwd=tmp_path)
+    assert forced.returncode == 0 and "dry run: nothing submitted" in forced.stdout, forced.stderr
+    sweep = launcher(["+cluster=a100x8", "+model=llama3_8b", "+strategy=ddp,zero3", "launcher.dry_run=true", "-m"],
+                     cwd=tmp_path)
+    assert sweep.returncode == 0, sweep.stderr
+    skipped = [line for line in (sweep.stdout + sweep.stderr).splitlines() if line.startswith("skipped point")]
+    assert len(skipped) == 1 and "+strategy=ddp" in skipped[0] and "predicted to need" in skipped[0], sweep.stderr
+    assert sweep.stdout.count("dry run: nothing submitted") == 1 and "1 skipped" in sweep.stderr
+    none = launcher(["+cluster=a100x8", "+model=llama3_70b", "+strategy=ddp,zero1", "launcher.dry_run=true", "-m"],
+                    cwd=tmp_path)
+    assert none.returncode == 2 and "every point was skipped (2)" in none.stderr, none.stdout + none.stderr

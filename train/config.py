@@ -214,6 +214,8 @@ class LauncherConfig:
     run_dir: Optional[str] = None
     # Job name in Slurm; null = "sto-" + model + strategy.
     job_name: Optional[str] = None
+    # Submit even when the planner predicts the config does not fit the GPUs' memory.
+    allow_oom: bool = False
 
 
 @dataclass
