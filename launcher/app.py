@@ -114,7 +114,9 @@ def already_done(cfg: RunConfig, run_dir: Path, slurm_conf: Optional[str],
     if info.get("status") == "completed":
         return "already completed"
     job = str(info.get("job_id", ""))
-    if cfg.cluster.backend == "slurm" and info.get("status") in ("submitted", "running") and _JOB_ID.match(job):
+    # Any unfinished status may still be queued: "requeued" / "interrupted" ones wait in
+    # the queue for their next segment under the same job id.
+    if cfg.cluster.backend == "slurm" and _JOB_ID.match(job):
         try:
             found = job in queued if queued is not None else bool(query.squeue([job], query.slurm_env(slurm_conf)))
         except query.SlurmUnavailable:

@@ -74,3 +74,19 @@ def test_planner_gate_can_be_overridden_and_sweeps_skip_what_does_not_fit(tmp_pa
     none = launcher(["+cluster=a100x8", "+model=llama3_70b", "+strategy=ddp,zero1", "launcher.dry_run=true", "-m"],
                     cwd=tmp_path)
     assert none.returncode == 2 and "every point was skipped (2)" in none.stderr, none.stdout + none.stderr
+
+
+@pytest.mark.parametrize("status", ["submitted", "running", "requeued", "interrupted", "starting"])
+def test_rerun_never_doubles_a_queued_run(tmp_path, status):
+    """Re-running the command of a run whose job is still queued (pending its next segment
+    after a requeue included) submits nothing; a job that left the queue is started again."""
+    from helpers import compose_run
+    from launcher.app import already_done
+    from train.rundir import update_run_json
+
+    cfg = compose_run(["+cluster=localslurm"])
+    update_run_json(tmp_path, status=status, job_id="123")
+    assert already_done(cfg, tmp_path, None, queued={"123": "PENDING"}) == "already in the queue as job 123"
+    assert already_done(cfg, tmp_path, None, queued={"456": "RUNNING"}) is None
+    update_run_json(tmp_path, status="completed")
+    assert already_done(cfg, tmp_path, None, queued={}) == "already completed"
