@@ -7,7 +7,32 @@ read bandwidth of a file just written (page cache, as the restore reads a checkp
 just written). Prints stall/sync (goal <= 0.03) and save / restore throughput over the
 disk's bandwidth (goal >= 0.7).
 
+Preemption recovery on the local Slurm cluster (``make cluster-up``): a 2-node x 2-task
+job of the tiny model (DDP, gloo) gets ``scancel --signal=USR2 JOB`` mid-run (as
+tests/test_preemption.py sends it), checkpoints, requeues itself and resumes. The time
+from the signal to the first resumed step is split, on one clock (the local cluster runs
+on this machine), into:
+
+- save: signal (time.time() just before scancel) -> rank 0's "checkpoint step N
+  committed in X s" log line; of which X is writing + committing the checkpoint and the
+  rest is waiting for the step boundary at which the ranks agree to stop.
+- requeue: commit -> the job RUNNING again, as seen by polling squeue every 0.2 s (Slurm's
+  own 1 s resolution Eligible/Start of the attempts, ``sacct -D``, printed beside it);
+  includes ``scontrol requeue`` (its log line), the end of the old attempt and the
+  requeued job's hold of cred_expire.
+- restore+init: RUNNING -> the first metrics row of segment 1 (its ``time``); of which
+  srun + Python/torch start + rendezvous (up to run.json's ``started_at``), model build
+  (the "rank 0 coords" line), restore (the "resumed from step" line) and the first step.
+
+Committed steps lost = the last step completed before the interruption (the highest
+metrics step of segment 0) minus the step resumed from (goal 0): completed work that is
+trained again. ``--reference`` also runs the same config uninterrupted and compares the
+per-step losses (bitwise equal expected: fp32 DDP on CPU).
+
     .venv/bin/python bench/checkpoint.py [--dim 768 --layers 8 --repeats 3]
+        [--preemption | --skip-preemption] [--steps 60 --step-delay 0.2 --signal-after 15 --reference]
+
+(both parts by default; --preemption: only the Slurm part, --skip-preemption: only the cost part)
 """
 from __future__ import annotations
 
@@ -20,10 +45,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from train.rundir import read_metrics, read_run_json  # noqa: E402  (standard library only)
 
 
 def dir_bytes(path: Path) -> int:
@@ -90,12 +118,152 @@ def worker(rank: int, world: int, port: int, work: str, dim: int, layers: int, r
     shutdown()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+# --- preemption recovery on the local Slurm cluster -------------------------------------
+
+CONF = Path(os.environ.get("LOCALSLURM_DIR", "/tmp/localslurm")) / "etc" / "slurm.conf"
+LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 (.*)$")
+ENDED = ("completed", "stopped", "failed", "interrupted")
+
+
+def log_events(run_dir: Path) -> list[tuple[float, str]]:
+    """(time.time() of the line, message) of every line of rank 0's log."""
+    events = []
+    for line in (run_dir / "logs" / "rank0.log").read_text().splitlines():
+        match = LOG_LINE.match(line)
+        if match:
+            events.append((datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), match.group(2)))
+    return events
+
+
+def first_event(events: list[tuple[float, str]], pattern: str, after: float) -> tuple[float, re.Match]:
+    for t, message in events:
+        match = re.search(pattern, message)
+        if t >= after and match:
+            return t, match
+    raise RuntimeError(f"no log line matching {pattern!r} after the signal in rank0.log")
+
+
+def job_state(job: str, env: dict) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def attempts(job: str, env: dict) -> list[dict]:
+    """Every attempt of the job (sacct -D keeps the requeued ones), oldest first."""
+    out = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State,Eligible,Start,End"],
+                         env=env, capture_output=True, text=True).stdout
+    rows = []
+    for line in out.splitlines():
+        state, *times = line.split("|")
+        parsed = []
+        for value in times:
+            try:
+                parsed.append(datetime.strptime(value, "%Y-%m-%dT%H:%M:%S").timestamp())
+            except ValueError:  # Unknown / None
+                parsed.append(None)
+        rows.append(dict(zip(("state", "eligible", "start", "end"), [state.split()[0] if state else "", *parsed])))
+    return rows
+
+
+def submit(work: Path, name: str, steps: int, delay: float, env: dict, wait: bool = False) -> tuple[str, Path]:
+    run_dir = work / name
+    proc = subprocess.run([sys.executable, "-m", "launcher", "+cluster=localslurm", "cluster.nodes=2",
+                           "cluster.gpus_per_node=2", f"train.steps={steps}", "train.seq_len=32",
+                           "data.num_tokens=50000", f"fault.step_delay_s={delay}", f"launcher.root={work}",
+                           f"launcher.run_dir={run_dir}", f"launcher.wait={str(wait).lower()}"],
+                          cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stdout + proc.stderr)
+    job = next(line.split()[2] for line in proc.stdout.splitlines() if line.startswith("submitted job"))
+    return job, run_dir
+
+
+def preemption_recovery(args) -> dict:
+    """One USR2 mid-run, watched to the end; every timing point on time.time()'s clock."""
+    env = dict(os.environ, SLURM_CONF=str(CONF), PYTHONPATH=str(REPO))
+    with tempfile.TemporaryDirectory(prefix="bench-preempt-", dir=os.environ.get("BENCH_DIR")) as tmp:
+        job, run_dir = submit(Path(tmp), "interrupted", args.steps, args.step_delay, env)
+        deadline = time.time() + args.timeout
+        while len(read_metrics(run_dir)) < args.signal_after:
+            if time.time() > deadline or read_run_json(run_dir).get("status") in ENDED:
+                raise RuntimeError(f"job {job} never reached step {args.signal_after}: {read_run_json(run_dir)}")
+            time.sleep(0.1)
+        step_at_signal = len(read_metrics(run_dir))
+        t_signal = time.time()
+        subprocess.run(["scancel", "--signal=USR2", job], env=env, check=True)
+        left = back = None  # squeue: first seen not RUNNING, then RUNNING again
+        while read_run_json(run_dir).get("status") not in ENDED or job_state(job, env):
+            if time.time() > deadline:
+                raise RuntimeError(f"job {job} did not finish in {args.timeout} s: {read_run_json(run_dir)}")
+            state, now = job_state(job, env), time.time()
+            if left is None and state != "RUNNING":
+                left = now
+            elif left is not None and back is None and state == "RUNNING":
+                back = now
+            time.sleep(0.2 if back is None else 0.5)
+        tries = attempts(job, env)
+        for _ in range(20):  # accounting records the end a little after the job leaves the queue
+            if len(tries) >= 2 and tries[-1]["end"]:
+                break
+            time.sleep(0.5)
+            tries = attempts(job, env)
+        info, rows, events = read_run_json(run_dir), read_metrics(run_dir), log_events(run_dir)
+        t_commit, commit = first_event(events, r"checkpoint step (\d+) committed in ([0-9.]+) s", t_signal)
+        t_requeue, _ = first_event(events, r"checkpoint committed; requeue of job", t_commit)
+        t_built, _ = first_event(events, r"^rank 0 coords", t_requeue)
+        t_resumed, resumed = first_event(events, r"resumed from step (\d+) \(segment (\d+)\)", t_requeue)
+        if back is None:  # never caught PENDING -> RUNNING: fall back on Slurm's 1 s Start
+            back = tries[-1]["start"]
+        first = min((r for r in rows if r["segment"] == 1), key=lambda r: r["step"])
+        last_done = max(r["step"] for r in rows if r["segment"] == 0)
+        res = dict(job=job, step_at_signal=step_at_signal, status=info.get("status"),
+                   segments=info.get("segments"), preemptions=info.get("preemptions"),
+                   ckpt_step=int(commit.group(1)), write_s=float(commit.group(2)), save=t_commit - t_signal,
+                   requeue_call=t_requeue - t_commit, left=(left or back) - t_commit, requeue=back - t_commit,
+                   sacct_eligible=tries[-1]["eligible"], sacct_start=tries[-1]["start"],
+                   sacct_end_first=tries[0]["end"] if len(tries) > 1 else None, t_commit=t_commit,
+                   init=info["started_at"] - back, build=t_built - info["started_at"], restore=t_resumed - t_built,
+                   first_step=first["time"] - t_resumed, restore_init=first["time"] - back,
+                   total=first["time"] - t_signal, first_step_no=first["step"], last_done=last_done,
+                   resume_step=int(resumed.group(1)), attempts=len(tries))
+        res["lost"] = max(0, last_done - res["resume_step"])
+        res["gap"] = first["step"] - res["resume_step"] - 1  # steps skipped (never trained): must be 0
+        if args.reference:
+            losses = {r["step"]: r["loss"] for r in rows}
+            _, ref_dir = submit(Path(tmp), "reference", args.steps, 0.0, env, wait=True)
+            ref = {r["step"]: r["loss"] for r in read_metrics(ref_dir)}
+            res["equal"] = sum(losses.get(k) == v for k, v in ref.items())
+            res["ref_steps"] = len(ref)
+    return res
+
+
+def print_preemption(res: dict, args) -> None:
+    def since(t):
+        return "?" if t is None else f"{t - res['t_commit']:+.0f} s"
+
+    print(f"preemption recovery: job {res['job']}, 2 nodes x 2 tasks, tiny model, DDP (gloo), "
+          f"scancel --signal=USR2 after step {res['step_at_signal']} of {args.steps} "
+          f"(fault.step_delay_s={args.step_delay})")
+    print(f"  save            {res['save']:6.2f} s   signal -> checkpoint step {res['ckpt_step']} committed "
+          f"(write + commit {res['write_s']:.2f} s, wait for the step boundary {res['save'] - res['write_s']:.2f} s)")
+    print(f"  requeue delay   {res['requeue']:6.2f} s   committed -> job RUNNING again (squeue): scontrol requeue "
+          f"done +{res['requeue_call']:.2f} s, left RUNNING +{res['left']:.2f} s; sacct (1 s): first attempt end "
+          f"{since(res['sacct_end_first'])}, eligible {since(res['sacct_eligible'])}, "
+          f"start {since(res['sacct_start'])}")
+    print(f"  restore+init    {res['restore_init']:6.2f} s   RUNNING -> first resumed step {res['first_step_no']}: "
+          f"srun + Python/torch + rendezvous {res['init']:.2f} s, model build {res['build']:.2f} s, "
+          f"restore {res['restore']:.2f} s, first step {res['first_step']:.2f} s")
+    print(f"  total           {res['total']:6.2f} s   signal -> first resumed step")
+    print(f"  committed steps lost {res['lost']} (goal 0): last step completed before the interruption "
+          f"{res['last_done']}, resumed from step {res['resume_step']}, first step after resume "
+          f"{res['first_step_no']} (steps skipped {res['gap']})")
+    print(f"  run: status {res['status']}, segments {res['segments']}, preemptions {res['preemptions']}, "
+          f"sacct attempts {res['attempts']}")
+    if "equal" in res:
+        print(f"  losses vs an uninterrupted run: {res['equal']}/{res['ref_steps']} steps bitwise equal")
+
+
+def checkpoint_cost(args) -> None:
     import torch.multiprocessing as mp
 
     from launcher.local import free_port
@@ -116,6 +284,27 @@ def main() -> None:
     print(f"  restore          {res['restore']:.3f} s   {restore_bw:7.0f} MB/s")
     print(f"  disk write (dd, fsync) {write_bw:7.0f} MB/s   save/disk    = {save_bw / write_bw:.2f} (goal >= 0.7)")
     print(f"  disk read (cached)     {read_bw:7.0f} MB/s   restore/disk = {restore_bw / read_bw:.2f} (goal >= 0.7)")
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    part = parser.add_mutually_exclusive_group()
+    part.add_argument("--preemption", action="store_true", help="only the preemption recovery on the local cluster")
+    part.add_argument("--skip-preemption", action="store_true", help="only the checkpoint cost (no Slurm)")
+    parser.add_argument("--steps", type=int, default=60, help="train.steps of the preempted job")
+    parser.add_argument("--step-delay", type=float, default=0.2, help="fault.step_delay_s of the preempted job")
+    parser.add_argument("--signal-after", type=int, default=15, help="send USR2 once this many steps are logged")
+    parser.add_argument("--reference", action="store_true", help="also run it uninterrupted and compare losses")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds to wait for the preempted job")
+    args = parser.parse_args()
+    if not args.skip_preemption and not CONF.is_file():
+        sys.exit(f"no local Slurm cluster ({CONF} missing): run `make cluster-up` first, or --skip-preemption")
+    if not args.preemption:
+        checkpoint_cost(args)
+    if not args.skip_preemption:
+        print_preemption(preemption_recovery(args), args)
 
 
 if __name__ == "__main__":
