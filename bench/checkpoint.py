@@ -32,6 +32,9 @@ per-step losses (bitwise equal expected: fp32 DDP on CPU).
     .venv/bin/python bench/checkpoint.py [--dim 768 --layers 8 --repeats 3]
         [--preemption | --skip-preemption] [--steps 60 --step-delay 0.2 --signal-after 15 --reference]
 
+Both parts run by default; --preemption runs only the cluster part, --skip-preemption only
+the checkpoint cost.
+
 (both parts by default; --preemption: only the Slurm part, --skip-preemption: only the cost part)
 """
 from __future__ import annotations
