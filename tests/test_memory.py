@@ -47,7 +47,7 @@ EXPECTED = {
     # Buckets are model.dim^2 elements (ds_config): negligible here.
     "zero3": lambda n: 24 / n,
 }
-CASES = [(s, N) for s in EXPECTED] + [("zero2", 4), ("zero3", 4)]
+CASES = [(s, n) for s in EXPECTED for n in (2, 4)]
 
 
 def live_bytes() -> int:

@@ -27,22 +27,27 @@ ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO /
 
 # (strategy, ranks as nodes x gpus_per_node, extra overrides)
 CASES = [
+    ("ddp", (1, 4), []),  # 2 ranks: tests/test_ddp.py
     ("fsdp", (1, 2), []),
     ("fsdp", (1, 4), []),
     ("fsdp_grad_op", (1, 2), ["train.grad_accum=2"]),
-    ("hsdp", (1, 2), []),
+    ("fsdp_grad_op", (1, 4), []),
+    ("hsdp", (2, 1), []),  # 2 replicas x 1 shard
     ("hsdp", (2, 2), []),  # 2 replicas x 2 shards
     ("zero1", (1, 2), ["strategy.zero_stage=0", "strategy.name=zero0"]),
     ("zero1", (1, 2), []),
+    ("zero1", (1, 4), []),
     ("zero2", (1, 2), ["train.grad_accum=2"]),
     ("zero2", (1, 4), []),
     ("zero3", (1, 2), []),
     ("zero3", (1, 4), []),
     ("zero3_offload", (1, 2), []),
+    ("zero3_offload", (1, 4), []),
     ("tp", (1, 2), []),
     ("tp", (1, 4), []),  # 2 replicas x tp 2
     ("tp", (1, 4), ["strategy.tensor_parallel=4"]),
     ("tp", (1, 2), ["strategy.data_parallel=none"]),  # TP alone, no data-parallel wrapper
+    ("fsdp_tp", (1, 2), ["strategy.activation_checkpointing=selective"]),  # tp 2, one shard
     ("fsdp_tp", (1, 4), ["strategy.activation_checkpointing=full"]),  # 2 shards x tp 2; TP, then AC, then FSDP
     # Pipeline parallel: 2 stages of the 2-layer tiny model; 4-stage and interleaved cases
     # on a 4-layer model (its own reference).
