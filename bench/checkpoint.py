@@ -34,8 +34,6 @@ per-step losses (bitwise equal expected: fp32 DDP on CPU).
 
 Both parts run by default; --preemption runs only the cluster part, --skip-preemption only
 the checkpoint cost.
-
-(both parts by default; --preemption: only the Slurm part, --skip-preemption: only the cost part)
 """
 from __future__ import annotations
 
