@@ -46,6 +46,20 @@ def test_dry_run_prints_script_and_rank_map(tmp_path):
     assert not (run_dir / "run.json").exists()
 
 
+def test_dry_run_prints_mesh_coordinates(tmp_path):
+    """3D: every rank's node, local rank and (pp, dp, tp); TP pairs inside a node, the
+    two pipeline stages on the two nodes."""
+    proc = launcher(["+cluster=h100x8", "+strategy=pp_fsdp_tp", "cluster.nodes=2", "launcher.dry_run=true"],
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "world 16 = 2 nodes x 8/node = pp 2 x dp_replicate 1 x dp_shard 4 x tp 2" in proc.stdout
+    rows = [list(map(int, line.split())) for line in proc.stdout.splitlines()
+            if line.strip() and line.split()[0].isdigit() and len(line.split()) == 8]
+    assert len(rows) == 16
+    for rank, node, local, pp, dp, _rep, _shard, tp in rows:
+        assert (node, local) == divmod(rank, 8) and pp == node and tp == rank % 2 and dp == (rank % 8) // 2
+
+
 def test_user_command_with_plus_prefixes_composes(tmp_path):
     # the users' command (llama3_8b so the ZeRO-3 choice matters: DDP would not fit)
     proc = launcher(["+cluster=a100x8", "+strategy=zero3", "+model=llama3_8b", "-m", "launcher.dry_run=true"],
