@@ -17,10 +17,15 @@ from train.config import ConfigError, to_run_config, to_yaml
 from train.rundir import CONFIG, read_run_json, update_run_json
 
 
+# run.json "failure" values whose suspect_nodes the next allocation avoids.
+EXCLUDING_FAILURES = {"node_failure": "node failure", "preflight_outlier": "preflight outlier"}
+
+
 def exclude_failed_nodes(cfg, run_dir: Path) -> None:
-    """After a node failure, keep the suspect nodes out of the next allocation."""
+    """After a node failure or a failed preflight, keep the suspect nodes out of the next allocation."""
     info = read_run_json(run_dir)
-    if info.get("failure") != "node_failure" or cfg.cluster.backend != "slurm":
+    reason = EXCLUDING_FAILURES.get(info.get("failure"))
+    if reason is None or cfg.cluster.backend != "slurm":
         return
     bad = set(info.get("suspect_nodes", []))
     if not bad:
@@ -29,7 +34,7 @@ def exclude_failed_nodes(cfg, run_dir: Path) -> None:
     cfg.cluster.exclude = ",".join(sorted(current | bad))
     (run_dir / CONFIG).write_text(to_yaml(cfg))
     update_run_json(run_dir, excluded_nodes=sorted(current | bad))
-    print(f"excluding {', '.join(sorted(bad))} (node failure in the last segment)")
+    print(f"excluding {', '.join(sorted(bad))} ({reason} in the last segment)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -168,8 +168,17 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     log_every: int = 1
-    # Gloo/NCCL collective timeout in seconds.
+    # Gloo/NCCL collective timeout in seconds. Keep it above cluster.hang_timeout_s: the
+    # watchdog then reports a hang (stacks, NCCL flight recorder) before NCCL aborts.
     dist_timeout_s: int = 600
+    # Before training, time a matmul and an all-reduce on every rank and write
+    # preflight.json (train/preflight.py); takes a few seconds.
+    preflight: bool = False
+    # A node (or rank) below this fraction of the median over nodes (ranks) is an outlier.
+    preflight_outlier: float = 0.7
+    # Outlier nodes fail the job before training; run.json lists them as suspect_nodes and
+    # `python -m launcher.resume RUN_DIR` excludes them. false: only report them.
+    preflight_exclude: bool = False
 
 
 @dataclass

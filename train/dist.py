@@ -13,6 +13,8 @@ import gc
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, MutableMapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,11 +60,44 @@ def _from_environment() -> dict:
                 master_port=0, job_id="single", restart_count=0, launcher="single")
 
 
-def init_distributed(timeout_s: int = 600) -> DistContext:
-    """Join the process group of this job and pick the device of this rank."""
+def nccl_env_defaults(trace_dir: Optional[Path], env: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
+    """Set NCCL's error handling and flight-recorder variables that are not set yet.
+
+    A value the user or the cluster group's ``env`` gave wins (either spelling, where
+    torch renamed a variable). Must run before the NCCL process group is created: torch
+    reads them there. Returns what it set.
+    """
+    defaults = [
+        # On an error or collective timeout, abort the communicators instead of hanging.
+        (("TORCH_NCCL_ASYNC_ERROR_HANDLING",), "1"),
+        # Flight recorder: keep the last N collectives of every process group...
+        (("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"), "2000"),
+        # ...and dump them on a collective timeout to PREFIX<rank> (the hang watchdog,
+        # which fires earlier, dumps them itself: train/watchdog.py).
+        (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1"),
+    ]
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        defaults.append((("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE"),
+                         str(trace_dir / "nccl_trace_rank")))
+    applied = {}
+    for names, value in defaults:
+        if not any(env.get(name) for name in names):
+            applied.update({name: value for name in names})
+    env.update(applied)
+    return applied
+
+
+def init_distributed(timeout_s: int = 600, trace_dir: Optional[Path] = None) -> DistContext:
+    """Join the process group of this job and pick the device of this rank.
+
+    On NCCL, communication defaults are set first (:func:`nccl_env_defaults`); the
+    flight recorder dumps into ``trace_dir`` (the run's logs/) on a collective timeout.
+    """
     info = _from_environment()
     if torch.cuda.is_available():
         backend = "nccl"
+        nccl_env_defaults(trace_dir)
         torch.cuda.set_device(info["local_rank"] % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:

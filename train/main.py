@@ -57,7 +57,7 @@ def run(run_dir: str | Path) -> int:
     threads = os.environ.get("OMP_NUM_THREADS") or os.environ.get("SLURM_CPUS_PER_TASK") or cfg.cluster.cpus_per_task
     torch.set_num_threads(max(1, int(threads)))
     layout = build_layout(cfg)
-    ctx = init_distributed(cfg.train.dist_timeout_s)
+    ctx = init_distributed(cfg.train.dist_timeout_s, trace_dir=run_dir / "logs")
     log = _logger(run_dir, ctx.rank)
     if ctx.world_size != layout.world_size:
         raise RuntimeError(f"the job has {ctx.world_size} ranks but the layout needs {layout.world_size} "
@@ -76,6 +76,9 @@ def run(run_dir: str | Path) -> int:
                         world_size=ctx.world_size, nodes=len(hostnames), segments=segment + 1,
                         strategy=cfg.strategy.name, launcher=ctx.launcher, backend=ctx.backend,
                         started_at=time.time(), restart_count=ctx.restart_count, error=None, failure=None)
+    if cfg.train.preflight:  # on outlier nodes with preflight_exclude: records them, raises PreflightError
+        from train.preflight import run_preflight
+        run_preflight(ctx, run_dir, cfg.train.preflight_outlier, cfg.train.preflight_exclude, log.info)
     ckpt = Checkpointer(run_dir / "checkpoints", ctx.rank, keep=cfg.checkpoint.keep)
 
     def on_hang(report: dict) -> None:

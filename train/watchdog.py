@@ -6,8 +6,8 @@ long ago the rank last completed a step. The main thread only sets two attribute
 phase, so the cost is nil. When no step has completed for ``cluster.hang_timeout_s``:
 
 1. each rank dumps the Python stack of all its threads to ``logs/stack_rank{R}.txt``
-   (faulthandler; on NCCL, torch's flight recorder dumps too when
-   ``TORCH_NCCL_DUMP_ON_TIMEOUT`` is set in the cluster's env);
+   (faulthandler) and, on NCCL, torch's flight recorder (its last collectives, see
+   ``train.dist.nccl_env_defaults``) to ``logs/nccl_trace_rank{R}.pkl``;
 2. after a short grace for the others to do the same, the first rank to get there
    writes ``hang.json``: every rank's last heartbeat, and the *stuck* ranks: those not
    waiting in a collective (they never arrived), or, if all are waiting, those at the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -71,6 +72,30 @@ def classify_failure(run_dir: Path, world_size: int, interval_s: float = 1.0) ->
     nodes = sorted(h for h, states in hosts.items() if all(states) and h != "?")
     kind = "node_failure" if nodes else ("rank_failure" if dead else "communication")
     return {"failure": kind, "dead_ranks": sorted(b["rank"] for b in dead), "suspect_nodes": nodes}
+
+
+def dump_nccl_trace(path: Path) -> Optional[str]:
+    """Write this rank's NCCL flight-recorder trace (pickled) to ``path``; None if there is none.
+
+    Only with CUDA and an NCCL process group: on CPU/gloo, or a torch build without the
+    recorder, nothing is written. Never raises: a hang report must not fail on a diagnostic.
+    """
+    torch = sys.modules.get("torch")  # never import torch here: the job has, or there is no NCCL
+    try:
+        if torch is None or not torch.cuda.is_available():
+            return None
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or "nccl" not in str(dist.get_backend()):
+            return None
+        dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+        if dump is None:
+            return None
+        payload = dump(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+        path.write_bytes(bytes(payload))
+        return str(path)
+    except Exception:  # noqa: BLE001 - best effort
+        return None
 
 
 class Watchdog:
@@ -122,12 +147,14 @@ class Watchdog:
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / f"stack_rank{self.rank}.txt", "w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
-        self._beat(hung=True)
+        trace = dump_nccl_trace(logs / f"nccl_trace_rank{self.rank}.pkl")
+        self._beat(hung=True, nccl_trace=trace)
         time.sleep(3 * self.interval_s)  # let every rank dump and publish its heartbeat
         beats = read_beats(self.run_dir, self.world_size)
         stuck = stuck_ranks(beats)
         report = {"detected_by": self.rank, "time": time.time(), "timeout_s": self.timeout_s, "stuck_ranks": stuck,
-                  "stuck_hosts": sorted({b.get("host", "?") for b in beats if b["rank"] in stuck}), "ranks": beats}
+                  "stuck_hosts": sorted({b.get("host", "?") for b in beats if b["rank"] in stuck}),
+                  "nccl_trace": trace, "ranks": beats}  # each rank's own trace: ranks[R]["nccl_trace"]
         try:  # first rank to get here writes the report
             fd = os.open(self.run_dir / "hang.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
