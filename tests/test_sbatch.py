@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from launcher.submit import render_script, slurm_parameters
 from helpers import compose_run as _compose
+from train.config import validate
 from train.layout import build_layout
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -29,6 +32,30 @@ def test_golden_a100x8_two_nodes():
     assert script == golden.read_text()
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=8" in script
     assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --signal=USR2@120" in script
+
+
+# Spaces, both quotes and a command substitution: each must stay literal in the script.
+HOSTILE_RUN_DIR = Path("/scratch/runs/it's a \"quoted\" $(touch x) dir")
+HOSTILE_JOB_NAME = "it's a $(touch x); `touch y` && \"z\""
+
+
+def test_golden_hostile_run_dir_job_name_and_env():
+    cfg = _a100_two_nodes()
+    cfg.launcher.job_name = HOSTILE_JOB_NAME
+    cfg.cluster.env["WEIRD"] = "a 'b' \"c\" $(touch x); `y`"
+    validate(cfg)  # accepted: none of it is a control character, a backslash or a %
+    script = render_script(cfg, build_layout(cfg), HOSTILE_RUN_DIR, python="/opt/venv/bin/python")
+    golden = GOLDEN / "a100x8_2nodes_hostile.sbatch"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert script == golden.read_text()
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    folder = f"{HOSTILE_RUN_DIR}/slurm"
+    srun = shlex.split(next(line for line in script.splitlines() if line.startswith("srun ")))
+    assert srun[3] == f"{folder}/%j_%t_log.out" and srun[-1] == folder
+    flags = {k: v for k, _, v in (shlex.split(line)[1].partition("=") for line in script.splitlines()
+                                  if line.startswith("#SBATCH --") and "=" in line)}
+    assert flags["--job-name"] == HOSTILE_JOB_NAME and flags["--output"] == f"{folder}/%j_0_log.out"
 
 
 def test_env_values_are_quoted():
