@@ -59,3 +59,12 @@ def test_same_entrypoint_under_torchrun_and_alone(tmp_path):
     alone = subprocess.run([sys.executable, "-m", "train", str(run_dir)], env=env, capture_output=True, text=True,
                            timeout=300)
     assert alone.returncode != 0 and "the job has 1 ranks but the layout needs 2" in alone.stderr
+    # ... and a config of one rank runs as a plain process: no launcher, no torchrun, no Slurm.
+    prep1 = launcher(COMMON + ["cluster.gpus_per_node=1", "launcher.dry_run=true", f"data.cache_dir={tmp_path}/d"],
+                     cwd=tmp_path)
+    one = run_dir_of(prep1.stdout)
+    plain = subprocess.run([sys.executable, "-m", "train", str(one)], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    info = read_run_json(one)
+    assert info["status"] == "completed" and info["world_size"] == 1 and len(read_metrics(one)) == 5
