@@ -115,8 +115,9 @@ def already_done(cfg: RunConfig, run_dir: Path, slurm_conf: Optional[str],
         return "already completed"
     job = str(info.get("job_id", ""))
     # Any unfinished status may still be queued: "requeued" / "interrupted" ones wait in
-    # the queue for their next segment under the same job id.
-    if cfg.cluster.backend == "slurm" and _JOB_ID.match(job):
+    # the queue for their next segment under the same job id. A run that ended ("failed",
+    # "stopped") is restarted even while its job is still completing in the queue.
+    if cfg.cluster.backend == "slurm" and info.get("status") not in ("failed", "stopped") and _JOB_ID.match(job):
         try:
             found = job in queued if queued is not None else bool(query.squeue([job], query.slurm_env(slurm_conf)))
         except query.SlurmUnavailable:

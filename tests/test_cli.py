@@ -102,5 +102,8 @@ def test_rerun_never_doubles_a_queued_run(tmp_path, status):
     update_run_json(tmp_path, status=status, job_id="123")
     assert already_done(cfg, tmp_path, None, queued={"123": "PENDING"}) == "already in the queue as job 123"
     assert already_done(cfg, tmp_path, None, queued={"456": "RUNNING"}) is None
+    for ended in ("failed", "stopped"):  # ended runs restart even while the job is still completing
+        update_run_json(tmp_path, status=ended)
+        assert already_done(cfg, tmp_path, None, queued={"123": "COMPLETING"}) is None
     update_run_json(tmp_path, status="completed")
     assert already_done(cfg, tmp_path, None, queued={}) == "already completed"

@@ -58,6 +58,6 @@ def test_dead_node_is_classified_and_resume_excludes_it(tmp_path, slurm_cluster)
             "resumed from step 5" in (run_dir / "logs" / "rank0.log").read_text()
     finally:
         subprocess.run(["bash", NODE_SH, "start", victim], env=slurm_cluster, capture_output=True)
-        wait_until(lambda: "idle" in subprocess.run(["sinfo", "-h", "-n", victim, "-o", "%T"], env=slurm_cluster,
-                                                    capture_output=True, text=True).stdout, 90,
+        wait_until(lambda: subprocess.run(["sinfo", "-h", "-n", victim, "-o", "%T"], env=slurm_cluster,
+                                          capture_output=True, text=True).stdout.strip() == "idle", 90,
                    f"{victim} back in service")

@@ -16,7 +16,13 @@ case $action in
     ls_alive "slurmd-$node" >/dev/null && { echo "$node already running"; exit 0; }
     ls_start_node "$node"
     for _ in $(seq 50); do scontrol ping >/dev/null 2>&1 && break; sleep 0.2; done
-    scontrol update nodename="$node" state=resume 2>/dev/null || true
+    # A node whose jobs are still COMPLETING refuses RESUME: retry until it is usable.
+    for _ in $(seq 150); do
+      state=$(sinfo -h -n "$node" -o %T 2>/dev/null)
+      case "$state" in idle|mixed|allocated) break ;; esac
+      scontrol update nodename="$node" state=resume >/dev/null 2>&1 || true
+      sleep 0.4
+    done
     echo "started $node" ;;
   *) echo "usage: node.sh kill|start NODE" >&2; exit 2 ;;
 esac
