@@ -22,10 +22,11 @@ $(STAMP): pyproject.toml constraints-cpu.txt slurm/cluster/install-deps.sh
 demo: setup
 	$(BIN)/python -m launcher $(ARGS)
 
-## test: the whole suite, with the real local Slurm cluster started for it
+## test: the whole suite, with the real local Slurm cluster started for it. The Slurm
+## tests run one after another beside the rest (tests/run_suite.sh: two pytest processes).
 test: setup
 	bash slurm/cluster/up.sh
-	set -o pipefail; status=0; $(BIN)/python -m pytest $(PYTEST_ARGS) || status=$$?; \
+	status=0; PYTHON=$(BIN)/python bash tests/run_suite.sh $(PYTEST_ARGS) || status=$$?; \
 	  bash slurm/cluster/down.sh || true; exit $$status
 
 ## test-fast: the tests that need no Slurm cluster

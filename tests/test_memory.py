@@ -117,10 +117,19 @@ def measure(strategy: str, tmp_path, world: int = N) -> list:
 
 @pytest.mark.parametrize("strategy,ranks", CASES, ids=[f"{s}-{n}" for s, n in CASES])
 def test_model_state_bytes_per_rank(strategy, ranks, tmp_path):
+    """Against the formula above, and against the planner's prediction (launcher.memory,
+    what ``launcher.plan`` prints and the launcher's gate uses): both within 10%."""
+    from launcher.memory import estimate
+    from train.layout import build_layout
+
     per_param = EXPECTED[strategy](ranks)
+    cfg = compose_run([f"+strategy={strategy}", f"cluster.gpus_per_node={ranks}", *MODEL])
+    mem = estimate(cfg, build_layout(cfg))
+    planned = mem.model_state_bytes + mem.cpu_bytes
     for rank, got in enumerate(measure(strategy, tmp_path, ranks)):
         ratio = got["bytes"] / (per_param * got["params"])
         print(f"{strategy} {ranks} ranks, rank {rank}: {got['bytes'] / 2**20:.2f} MiB = "
               f"{got['bytes'] / got['params']:.2f} B/param at the step ({got['rest'] / got['params']:.2f} after), "
               f"model {per_param:.2f}, ratio {ratio:.3f}")
         assert 0.9 <= ratio <= 1.1, (strategy, rank, got, per_param)
+        assert 0.9 <= got["bytes"] / planned <= 1.1, (strategy, rank, got["bytes"], planned)

@@ -221,14 +221,16 @@ def test_planner_imports_no_torch():
 
 
 @pytest.mark.slow
-def test_predicted_model_states_match_ranks_on_cpu():
-    """2 and 4 gloo ranks: model states at the optimizer step and the tensors autograd saves
-    within 10% of the prediction (bench/planner.py measures; all presets: run it)."""
-    proc = subprocess.run([sys.executable, "bench/planner.py", "--ranks", "2,4", "--strategies",
-                           "ddp,fsdp,zero1,zero2,zero3", "--precision", "fp32", "--json"], cwd=REPO,
+def test_predicted_states_and_activations_match_ranks_on_cpu():
+    """2 gloo ranks: model states at the optimizer step and the tensors autograd saves
+    within 10% of the prediction (bench/planner.py measures; all presets: run it).
+    Model states at 2 and 4 ranks for DDP / ZeRO-1/2/3 / FSDP against the planner:
+    tests/test_memory.py, on the same measurement."""
+    proc = subprocess.run([sys.executable, "bench/planner.py", "--ranks", "2", "--strategies",
+                           "fsdp,zero3", "--precision", "fp32", "--json"], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 10, proc.stdout + proc.stderr
+    assert len(rows) == 2, proc.stdout + proc.stderr
     for row in rows:
         assert abs(row["state_ratio"] - 1) < 0.10, row
         assert abs(row["activation_ratio"] - 1) < 0.10, row

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import launcher, run_dir_of
 from train.rundir import read_run_json
-from train.watchdog import COLLECTIVE, stuck_ranks
+from train.watchdog import COLLECTIVE, Watchdog, stuck_ranks
 
 
 def beat(rank, phase=COLLECTIVE, step=5):
@@ -24,6 +24,18 @@ def beat(rank, phase=COLLECTIVE, step=5):
 ])
 def test_stuck_ranks(beats, stuck):
     assert stuck_ranks(beats) == stuck
+
+
+def test_startup_gets_the_longer_timeout_until_the_first_step(tmp_path):
+    """Build, restore and the first step's lazy init (communicators, compile) are slow: a
+    loaded machine must not read them as a hang. After one step the plain timeout applies."""
+    dog = Watchdog(tmp_path, rank=0, node=0, host="h", world_size=1, timeout_s=5, startup_timeout_s=15)
+    assert dog.limit_s() == 15
+    dog.begin(0)
+    assert dog.limit_s() == 15
+    dog.progress(1)
+    assert dog.limit_s() == 5
+    assert Watchdog(tmp_path, 0, 0, "h", 1, timeout_s=5, startup_timeout_s=2).limit_s() == 5  # never below
 
 
 @pytest.mark.slow

@@ -52,7 +52,8 @@ class ClusterConfig:
     signal_delay_s: int = 120
     # A step that does not complete within this many seconds is a hang: stacks are dumped,
     # hang.json names the stuck ranks, the job exits (train/watchdog.py). 0 disables.
-    # Keep it below train.dist_timeout_s and above the slowest step (compile, checkpoint).
+    # Until a segment's first step completes (build, restore, lazy init) the limit is
+    # 3x this, capped at train.dist_timeout_s - 5. Keep it below train.dist_timeout_s and above the slowest step (compile, checkpoint).
     hang_timeout_s: int = 300
     # How many times a run may be requeued after preemption or time limit before it stops.
     max_requeues: int = 3
@@ -306,7 +307,7 @@ _HOSTLIST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY
 
 # The hang watchdog checks once a second and, once it fires, waits 3 s for every rank to
 # dump its stack (train/watchdog.py): it needs this much before the collective timeout.
-_WATCHDOG_GRACE_S = 5
+WATCHDOG_GRACE_S = 5
 
 
 def _get(cfg: RunConfig, dotted: str) -> Any:
@@ -392,11 +393,11 @@ def _check_numbers(cfg: RunConfig) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them")
     hang, dist = cfg.cluster.hang_timeout_s, cfg.train.dist_timeout_s
-    if hang > 0 and hang + _WATCHDOG_GRACE_S > dist:
+    if hang > 0 and hang + WATCHDOG_GRACE_S > dist:
         raise ConfigError(f"cluster.hang_timeout_s={hang} must be at most train.dist_timeout_s - "
-                          f"{_WATCHDOG_GRACE_S} = {dist - _WATCHDOG_GRACE_S}: the collective timeout "
+                          f"{WATCHDOG_GRACE_S} = {dist - WATCHDOG_GRACE_S}: the collective timeout "
                           f"(train.dist_timeout_s={dist}) would abort the job before the hang watchdog names the "
-                          f"stuck ranks (it needs ~{_WATCHDOG_GRACE_S} s to dump every rank's stack); lower "
+                          f"stuck ranks (it needs ~{WATCHDOG_GRACE_S} s to dump every rank's stack); lower "
                           "cluster.hang_timeout_s (0 disables it) or raise train.dist_timeout_s")
 
 

@@ -62,7 +62,7 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
     n_gpus = ctx.world_size if ctx.device.type == "cuda" or cfg.cluster.accelerator == "gpu" else 0
     peak = cfg.cluster.peak_tflops_bf16 if n_gpus else None
     last_save = time.monotonic()
-    watchdog.progress(loader.state.step)
+    watchdog.begin(loader.state.step)
     for step in range(loader.state.step, cfg.train.steps):
         t0 = time.perf_counter()
         watchdog.phase("compute", step)

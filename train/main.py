@@ -9,7 +9,7 @@ import traceback
 from pathlib import Path
 
 from train import preempt
-from train.config import to_run_config, validate
+from train.config import WATCHDOG_GRACE_S, to_run_config, validate
 from train.layout import build_layout
 from train.checkpoint import Checkpointer
 from train.preempt import PreemptionFlag
@@ -86,8 +86,12 @@ def run(run_dir: str | Path) -> int:
                         error=f"hang: no step completed in {report['timeout_s']} s; stuck ranks "
                               f"{report['stuck_ranks']} on {', '.join(report['stuck_hosts'])} (hang.json)")
 
-    watchdog = Watchdog(run_dir, ctx.rank, ctx.node_rank, ctx.hostname, ctx.world_size,
-                        cfg.cluster.hang_timeout_s, on_hang=on_hang).start()
+    # Until the first step completes (build, restore, lazy init) a hang may take 3x as
+    # long, but never past the collective timeout, which would abort without a report.
+    hang = cfg.cluster.hang_timeout_s
+    startup = min(3 * hang, cfg.train.dist_timeout_s - WATCHDOG_GRACE_S)
+    watchdog = Watchdog(run_dir, ctx.rank, ctx.node_rank, ctx.hostname, ctx.world_size, hang, on_hang=on_hang,
+                        startup_timeout_s=startup).start()
     try:
         outcome = train(cfg, layout, ctx, run_dir, segment, log.info, flag, ckpt, watchdog)
     except BaseException as exc:

@@ -3,7 +3,10 @@
 Every rank runs a small thread that, once a second, writes the rank's heartbeat
 (``RUN_DIR/heartbeat/rank{R}.json``: step, phase, host, last progress) and checks how
 long ago the rank last completed a step. The main thread only sets two attributes per
-phase, so the cost is nil. When no step has completed for ``cluster.hang_timeout_s``:
+phase, so the cost is nil. When no step has completed for ``cluster.hang_timeout_s``
+(until the segment's first step completes: ``startup_timeout_s``, which also covers
+model build, restore and the first step's lazy work: communicators, compile, DeepSpeed's
+extension build):
 
 1. each rank dumps the Python stack of all its threads to ``logs/stack_rank{R}.txt``
    (faulthandler) and, on NCCL, torch's flight recorder (its last collectives, see
@@ -100,9 +103,11 @@ def dump_nccl_trace(path: Path) -> Optional[str]:
 
 class Watchdog:
     def __init__(self, run_dir: Path, rank: int, node: int, host: str, world_size: int, timeout_s: float,
-                 interval_s: float = 1.0, on_hang=None) -> None:
+                 interval_s: float = 1.0, on_hang=None, startup_timeout_s: Optional[float] = None) -> None:
         self.run_dir, self.rank, self.node, self.host = run_dir, rank, node, host
         self.world_size, self.timeout_s, self.interval_s = world_size, timeout_s, interval_s
+        self.startup_timeout_s = max(timeout_s, startup_timeout_s or 0)
+        self.warm = False  # a step of this segment has completed: the plain timeout applies
         self.on_hang = on_hang
         self.step, self.phase_name = 0, "startup"
         self.last_progress = time.time()
@@ -114,8 +119,16 @@ class Watchdog:
     def phase(self, name: str, step: int) -> None:
         self.phase_name, self.step = name, step
 
+    def begin(self, step: int) -> None:
+        """The loop starts at ``step``: the clock restarts, still under the startup timeout."""
+        self.step, self.phase_name, self.last_progress = step, "compute", time.time()
+
     def progress(self, step: int) -> None:
         self.step, self.phase_name, self.last_progress = step, "compute", time.time()
+        self.warm = True
+
+    def limit_s(self) -> float:
+        return self.timeout_s if self.warm else self.startup_timeout_s
 
     def start(self) -> "Watchdog":
         # Heartbeats always (failure classification reads them); hang checks if enabled.
@@ -139,7 +152,7 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._beat()
-            if self.timeout_s > 0 and time.time() - self.last_progress > self.timeout_s:
+            if self.timeout_s > 0 and time.time() - self.last_progress > self.limit_s():
                 self._hang()
 
     def _hang(self) -> None:
@@ -152,7 +165,7 @@ class Watchdog:
         time.sleep(3 * self.interval_s)  # let every rank dump and publish its heartbeat
         beats = read_beats(self.run_dir, self.world_size)
         stuck = stuck_ranks(beats)
-        report = {"detected_by": self.rank, "time": time.time(), "timeout_s": self.timeout_s, "stuck_ranks": stuck,
+        report = {"detected_by": self.rank, "time": time.time(), "timeout_s": self.limit_s(), "stuck_ranks": stuck,
                   "stuck_hosts": sorted({b.get("host", "?") for b in beats if b["rank"] in stuck}),
                   "nccl_trace": trace, "ranks": beats}  # each rank's own trace: ranks[R]["nccl_trace"]
         try:  # first rank to get here writes the report
