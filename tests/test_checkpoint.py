@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import REPO, launcher, run_dir_of
 from train.checkpoint import find_latest, verify
@@ -111,6 +112,31 @@ def test_async_save_commits_and_does_not_change_training(tmp_path, reference):
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000008"]
     assert all(verify(p) is None for p in root.glob("step_*"))
     assert by_step(run_dir) == by_step(reference)
+    # The snapshot is copied in the background while the next step trains: it must be the
+    # state of the step saved, equal to the blocking save's, tensor for tensor.
+    for step in ("step_00000004", "step_00000008"):
+        ours, theirs = dcp_tensors(root / step, tmp_path / "a.pt"), dcp_tensors(reference / "checkpoints" / step,
+                                                                                tmp_path / "b.pt")
+        assert ours.keys() == theirs.keys() and len(ours) > 10
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), step
+
+
+def dcp_tensors(ckpt, out):
+    """Every tensor of a checkpoint's DCP state, by flattened name (loaded without ranks)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt / "dcp"), str(out))
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}", item)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
 
 
 def test_checkpoint_on_demand(tmp_path):

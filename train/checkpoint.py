@@ -120,12 +120,16 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 class Checkpointer:
     """Saves and restores one run's engine + loader state; collective (every rank calls).
 
-    ``save(..., blocking=False)`` (torch engines) stages the state in memory and writes it
-    in a background thread through DCP's ``async_save`` on a separate gloo group, so the
-    training loop only stalls for the staging copy. DCP's last phase gathers every rank's
-    write results on rank 0, so when rank 0's future is done every shard is on disk:
-    rank 0 then commits in a background thread (checksums, rename, ``latest``). A later
-    save, a preemption save and the end of training wait for a pending one first.
+    ``save(..., blocking=False)`` (torch engines) goes through DCP's ``async_save`` on a
+    separate gloo group with a ``DefaultStager`` that copies the state into reused host
+    buffers in a background thread (pinned, on a side stream, on GPU). The loop goes on
+    at once: forward and backward only read the parameters, and a step pre-hook on every
+    optimizer waits for the copy before the first update, so the snapshot is the state
+    of the step saved. The loop is blocked only for the call and that wait
+    (``last_save_s`` + ``staging_wait_s``). DCP's last phase gathers every rank's write
+    results on rank 0, so when rank 0's future is done every shard is on disk: rank 0
+    then commits in a background thread (checksums, rename, ``latest``). A later save, a
+    preemption save and the end of training wait for a pending one first.
     """
 
     root: Path
@@ -136,7 +140,11 @@ class Checkpointer:
         self._pending: Optional[Tuple[Any, Path, Path, int]] = None  # future, tmp, final, step
         self._committer: Optional[threading.Thread] = None
         self._async_group = None
+        self._stager = None
+        self._staging = None  # future: the async snapshot is complete
+        self._guarded: set = set()  # ids of the optimizers whose step waits for it
         self.last_save_s = 0.0
+        self.staging_wait_s = 0.0  # time optimizer steps waited for a snapshot, summed
 
     def save(self, engine, step: int, extra: Dict[str, Any], kill_before_commit: bool = False,
              blocking: bool = True) -> Path:
@@ -155,10 +163,12 @@ class Checkpointer:
 
             if self._async_group is None:
                 self._async_group = dist.new_group(backend="gloo")
-            future = dcp.async_save({"app": _AppState(engine)}, storage_writer=_writer(tmp / "dcp"),
-                                    process_group=self._async_group)
-            self._pending = (future, tmp, final, step)
-            self.last_save_s = time.perf_counter() - t0  # the stall
+            self._guard_optimizers(engine)
+            response = dcp.async_save({"app": _AppState(engine)}, storage_writer=_writer(tmp / "dcp"),
+                                      process_group=self._async_group, async_stager=self._async_stager())
+            self._staging = response.staging_completion
+            self._pending = (response.upload_completion, tmp, final, step)
+            self.last_save_s = time.perf_counter() - t0  # the stall, with staging_wait_s
             return final
         _engine_save(engine, tmp)
         dist.barrier()
@@ -169,6 +179,37 @@ class Checkpointer:
         dist.barrier()
         self.last_save_s = time.perf_counter() - t0
         return final
+
+    def _async_stager(self):
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            gpu = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                        use_async_staging=True, use_non_blocking_copy=gpu))
+        return self._stager
+
+    def _guard_optimizers(self, engine) -> None:
+        """Every optimizer step first waits for a pending snapshot (see the class doc)."""
+        for opt in getattr(engine, "optimizers", None) or [engine.optimizer]:
+            if id(opt) not in self._guarded:
+                opt.register_step_pre_hook(lambda *_: self.wait_staged())
+                self._guarded.add(id(opt))
+
+    def wait_staged(self) -> None:
+        """Block until the pending async snapshot is copied (then the state may change)."""
+        if self._staging is not None:
+            t0 = time.perf_counter()
+            self._staging.result()
+            self._staging = None
+            self.staging_wait_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Wait for a pending save, then free the staging buffers and thread."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def poll(self) -> None:
         """Non-blocking: commit a finished async save (rank 0, in the background)."""
@@ -184,6 +225,7 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until a pending async save is written and committed (collective)."""
         if self._pending is not None:
+            self.wait_staged()
             self._pending[0].result()
             self.poll()
             dist.barrier()

@@ -123,5 +123,5 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
         ckpt.poll()
         if cfg.fault.step_delay_s:
             time.sleep(cfg.fault.step_delay_s)
-    ckpt.wait()
+    ckpt.close()
     return "completed"
