@@ -207,13 +207,21 @@ def main() -> None:
                            seconds=round(time.time() - t0, 1))
                 row["state_ratio"] = row["measured_state_bytes"] / row["predicted_state_bytes"]
                 row["activation_ratio"] = row["measured_activation_bytes"] / row["predicted_activation_bytes"]
+                if layout.pp > 1:
+                    # ``unsaved`` assumes one micro-batch through the whole model with the loop
+                    # holding its logits; a pipeline stage holds other things (not modelled
+                    # here yet), so there is no like-for-like prediction to print.
+                    row["predicted_activation_bytes"] = row["activation_ratio"] = None
                 row["peak_ratio"] = row["measured_peak_bytes"] / row["predicted_peak_bytes"]
                 if args.json:
                     print(json.dumps(row), flush=True)
                     continue
+                pred_act = row["predicted_activation_bytes"]
+                act = (f"{pred_act / mb:<9.1f}{row['activation_ratio']:>7.2f}" if pred_act is not None
+                       else f"{'n/a':<9}{'n/a':>7}")
                 print(f"{name:<15}{world:>5}{prec:>6}  {states / mb:>9.1f}/{row['predicted_state_bytes'] / mb:<10.1f}"
                       f"{row['state_ratio']:>7.2f}  {row['measured_activation_bytes'] / mb:>9.1f}/"
-                      f"{row['predicted_activation_bytes'] / mb:<9.1f}{row['activation_ratio']:>7.2f}  {peak / mb:>8.1f}/{row['predicted_peak_bytes'] / mb:<9.1f}"
+                      f"{act}  {peak / mb:>8.1f}/{row['predicted_peak_bytes'] / mb:<9.1f}"
                       f"{row['peak_ratio']:>7.2f}{row['seconds']:>6.0f}", flush=True)
 
 
