@@ -53,7 +53,8 @@ class ClusterConfig:
     # A step that does not complete within this many seconds is a hang: stacks are dumped,
     # hang.json names the stuck ranks, the job exits (train/watchdog.py). 0 disables.
     # Until a segment's first step completes (build, restore, lazy init) the limit is
-    # 3x this, capped at train.dist_timeout_s - 5. Keep it below train.dist_timeout_s and above the slowest step (compile, checkpoint).
+    # 3x this, capped at train.dist_timeout_s - 5. Keep it below train.dist_timeout_s
+    # and above the slowest step (compile, checkpoint).
     hang_timeout_s: int = 300
     # How many times a run may be requeued after preemption or time limit before it stops.
     max_requeues: int = 3
