@@ -21,3 +21,20 @@ def compose_run(overrides: list[str]) -> RunConfig:
 
 def strategy_options() -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml"))
+
+
+def assert_committed(root) -> None:
+    """Every checkpoint under ``root`` verifies, and its manifest names every file in it
+    (the ranks' CRC side files are merged into it and gone)."""
+    import json
+    from pathlib import Path
+
+    from train.checkpoint import MANIFEST, verify
+
+    steps = sorted(Path(root).glob("step_*"))
+    assert steps, f"no committed checkpoint under {root}"
+    for ckpt in steps:
+        assert verify(ckpt) is None, ckpt
+        listed = set(json.loads((ckpt / MANIFEST).read_text())["files"])
+        on_disk = {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST}
+        assert listed == on_disk, (ckpt, listed ^ on_disk)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, launcher, run_dir_of
+from helpers import assert_committed
 from train.checkpoint import find_latest, verify
 from train.rundir import read_metrics, read_run_json
 
@@ -37,7 +38,7 @@ def test_periodic_checkpoints_are_committed_and_pruned(reference):
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000008"]  # keep=2
     assert (root / "latest").read_text().strip() == "step_00000008"
     assert not list(root.glob(".tmp-*"))
-    assert all(verify(p) is None for p in root.glob("step_*"))
+    assert_committed(root)
 
 
 def test_kill_during_save_keeps_previous_and_resumes_exactly(tmp_path, reference):
@@ -53,6 +54,32 @@ def test_kill_during_save_keeps_previous_and_resumes_exactly(tmp_path, reference
     assert by_step(run_dir) == by_step(reference)  # bitwise: fp32 on CPU
     segments = [r["segment"] for r in read_metrics(run_dir)]
     assert segments[0] == 0 and segments[-1] == 1
+
+
+def test_rank1_share_of_the_checksums_is_verified_on_resume(tmp_path, reference):
+    """On resume each rank reads back and checksums its share of the files; a byte flipped
+    in the file rank 1 verifies makes every rank skip that checkpoint (here the only one:
+    the run starts over) and the run still ends equal to the uninterrupted one."""
+    from train.checkpoint import _share
+
+    run_dir = tmp_path / "run"
+    killed = launcher(BASE + ["fault.kill_in_save_at_step=8", f"launcher.run_dir={run_dir}"], cwd=tmp_path)
+    assert killed.returncode != 0
+    ckpt = run_dir / "checkpoints" / "step_00000004"
+    files = [ckpt / rel for rel in json.loads((ckpt / "COMMITTED").read_text())["files"]]
+    theirs = _share(files, 1, 2)
+    assert theirs and not set(theirs) & set(_share(files, 0, 2))
+    victim = max(theirs, key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    again = launcher(BASE + [f"launcher.run_dir={run_dir}"], cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    rel = victim.relative_to(ckpt)
+    assert f"checkpoint step_00000004 ignored: checksum mismatch in {rel}" in log
+    assert "resumed from step" not in log
+    assert by_step(run_dir) == by_step(reference)
 
 
 def test_truncated_or_corrupt_checkpoint_is_skipped(tmp_path, reference):
@@ -110,7 +137,7 @@ def test_async_save_commits_and_does_not_change_training(tmp_path, reference):
     run_dir = run_dir_of(proc.stdout)
     root = run_dir / "checkpoints"
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000008"]
-    assert all(verify(p) is None for p in root.glob("step_*"))
+    assert_committed(root)
     assert by_step(run_dir) == by_step(reference)
     # The snapshot is copied in the background while the next step trains: it must be the
     # state of the step saved, equal to the blocking save's, tensor for tensor.

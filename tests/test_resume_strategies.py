@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import launcher
-from helpers import strategy_options
+from helpers import assert_committed, strategy_options
 from train.rundir import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -37,3 +37,4 @@ def test_kill_in_save_then_resume_is_exact(tmp_path, strategy):
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed from step 4" in (tmp_path / "run" / "logs" / "rank0.log").read_text()
     assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+    assert_committed(tmp_path / "run" / "checkpoints")

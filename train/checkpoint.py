@@ -9,15 +9,19 @@ Layout under ``RUN_DIR/checkpoints``::
     latest                    name of the newest committed step (replaced atomically)
     .tmp-step_00000050/       a save in progress: never loaded, removed on the next save
 
-Commit protocol: every rank writes into the temporary directory; barrier; rank 0
-fsyncs and checksums every file, writes ``COMMITTED``, renames the directory to its
-final name, fsyncs the parent, then replaces ``latest``. A kill at any point leaves
-either the previous checkpoint as newest or the new one complete. Loading picks the
-newest directory whose manifest verifies (sizes and CRCs); a corrupt or truncated one
-is reported and skipped.
+Commit protocol: every rank writes into the temporary directory (fsynced), computing
+the CRC32 of its files from the bytes as it writes them, and leaves them beside its
+files (``.crc_rank{R}.json``); barrier; files no rank summed as it wrote (DeepSpeed's,
+DCP's ``.metadata``) are read back and summed, shared out among the ranks; rank 0 writes
+``COMMITTED`` with every file's size and CRC, renames the directory to its final name,
+fsyncs the parent, then replaces ``latest``. A kill at any point leaves either the
+previous checkpoint as newest or the new one complete. Loading picks the newest
+directory whose manifest verifies (sizes, and CRCs read back, the files shared out
+among the ranks); a corrupt or truncated one is reported and skipped.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -36,19 +40,38 @@ import torch.distributed as dist
 
 MANIFEST = "COMMITTED"
 LATEST = "latest"
+SUMS = ".crc_rank"  # + "{rank}.json": CRCs of the files a rank wrote, merged into the manifest
 
 
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            crc = zlib.crc32(chunk, crc)
-        os.fsync(f.fileno())  # flush what the ranks wrote before we publish it
+def _crc32(path: Path, fsync: bool = False) -> int:
+    crc, buf = 0, bytearray(8 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+        if fsync:  # flush what the ranks wrote before we publish it
+            os.fsync(f.fileno())
     return crc
+
+
+def _share(paths: List[Path], rank: int, world: int) -> List[Path]:
+    """This rank's part of ``paths``: the largest first, each to the least loaded rank
+    (every rank computes the same split from the same listing)."""
+    load, mine = [0] * world, []
+    for path in sorted(paths, key=lambda p: (-p.stat().st_size, str(p))):
+        owner = load.index(min(load))
+        load[owner] += path.stat().st_size
+        if owner == rank:
+            mine.append(path)
+    return mine
+
+
+def _checksums(root: Path, paths: List[Path], fsync: bool = False) -> Dict[str, List[int]]:
+    return {str(p.relative_to(root)): [p.stat().st_size, _crc32(p, fsync)] for p in paths}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -60,11 +83,24 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _files(root: Path) -> List[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return sorted(p for p in root.rglob("*")
+                  if p.is_file() and p.name != MANIFEST and not p.name.startswith(SUMS))
 
 
-def verify(ckpt: Path) -> Optional[str]:
-    """None when ``ckpt`` is a complete committed checkpoint, else the reason it is not."""
+def _written_sums(root: Path) -> Dict[str, List[int]]:
+    """The CRCs the ranks computed as they wrote (their ``.crc_rank*.json``), merged."""
+    sums: Dict[str, List[int]] = {}
+    for side in sorted(root.glob(SUMS + "*.json")):
+        sums.update(json.loads(side.read_text()))
+    return sums
+
+
+def verify(ckpt: Path, rank: int = 0, world: int = 1) -> Optional[str]:
+    """None when ``ckpt`` is a complete committed checkpoint, else the reason it is not.
+
+    Every caller checks the manifest and every file's size; with ``world`` > 1 each rank
+    reads back and checksums only its share of the files (see ``_share``), so the ranks
+    must combine their answers (``Checkpointer.load_latest`` does)."""
     manifest = ckpt / MANIFEST
     if not manifest.is_file():
         return "no commit marker"
@@ -72,13 +108,15 @@ def verify(ckpt: Path) -> Optional[str]:
         info = json.loads(manifest.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         return f"unreadable manifest ({exc})"
-    for rel, (size, crc) in info["files"].items():
+    for rel, (size, _) in info["files"].items():
         path = ckpt / rel
         if not path.is_file():
             return f"missing file {rel}"
         if path.stat().st_size != size:
             return f"truncated file {rel} ({path.stat().st_size} of {size} bytes)"
-        if _crc32(path) != crc:
+    for path in _share([ckpt / rel for rel in info["files"]], rank, world):
+        rel = str(path.relative_to(ckpt))
+        if _crc32(path) != info["files"][rel][1]:
             return f"checksum mismatch in {rel}"
     return None
 
@@ -157,25 +195,39 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         dist.barrier()
-        torch.save({"step": step, "rng": rng_state(), **extra}, tmp / f"extra_rank{self.rank}.pt")
+        sums = _write_summed(tmp, f"extra_rank{self.rank}.pt", {"step": step, "rng": rng_state(), **extra})
+        side = tmp / f"{SUMS}{self.rank}.json"
         if not blocking and not hasattr(engine, "ds"):
             import torch.distributed.checkpoint as dcp
 
             if self._async_group is None:
                 self._async_group = dist.new_group(backend="gloo")
             self._guard_optimizers(engine)
-            response = dcp.async_save({"app": _AppState(engine)}, storage_writer=_writer(tmp / "dcp"),
+            response = dcp.async_save({"app": _AppState(engine)}, storage_writer=_summing_writer()(tmp, side, sums),
                                       process_group=self._async_group, async_stager=self._async_stager())
             self._staging = response.staging_completion
             self._pending = (response.upload_completion, tmp, final, step)
             self.last_save_s = time.perf_counter() - t0  # the stall, with staging_wait_s
             return final
-        _engine_save(engine, tmp)
+        if hasattr(engine, "ds"):  # DeepSpeed writes its own sharded files; read back below
+            engine.ds.save_checkpoint(str(tmp / "deepspeed"), tag="state")
+            side.write_text(json.dumps(sums))
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save({"app": _AppState(engine)}, storage_writer=_summing_writer()(tmp, side, sums))
         dist.barrier()
         if kill_before_commit:  # fault injection (tests): die with the shards written, uncommitted
             os.kill(os.getpid(), signal.SIGKILL)
+        # The files no rank summed as it wrote, read back (and fsynced), shared out.
+        written = _written_sums(tmp)
+        rest = [p for p in _files(tmp) if str(p.relative_to(tmp)) not in written]
+        parts: List[Dict[str, List[int]]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(parts, _checksums(tmp, _share(rest, self.rank, dist.get_world_size()), fsync=True))
         if self.rank == 0:
-            self._commit(tmp, final, step)
+            for part in parts:
+                written.update(part)
+            self._commit(tmp, final, step, written)
         dist.barrier()
         self.last_save_s = time.perf_counter() - t0
         return final
@@ -233,10 +285,16 @@ class Checkpointer:
             self._committer.join()
             self._committer = None
 
-    def _commit(self, tmp: Path, final: Path, step: int) -> None:
-        files = {str(p.relative_to(tmp)): [p.stat().st_size, _crc32(p)] for p in _files(tmp)}
+    def _commit(self, tmp: Path, final: Path, step: int, sums: Optional[Dict[str, List[int]]] = None) -> None:
+        """Rank 0: the manifest (CRCs the ranks computed, the rest read back), then publish."""
+        files = dict(sums) if sums is not None else _written_sums(tmp)
+        missing = [p for p in _files(tmp) if str(p.relative_to(tmp)) not in files]
+        files.update(_checksums(tmp, missing, fsync=True))
+        for side in tmp.glob(SUMS + "*.json"):
+            side.unlink()
         manifest = tmp / MANIFEST
-        manifest.write_text(json.dumps({"step": step, "time": time.time(), "files": files}, indent=1))
+        manifest.write_text(json.dumps({"step": step, "time": time.time(), "files": dict(sorted(files.items()))},
+                                       indent=1))
         with open(manifest) as f:
             os.fsync(f.fileno())
         if final.exists():  # a re-save of the same step (e.g. resumed and preempted at once)
@@ -256,15 +314,23 @@ class Checkpointer:
             shutil.rmtree(stale, ignore_errors=True)
 
     def load_latest(self, engine, report: Callable[[str], None]) -> Optional[Dict[str, Any]]:
-        """Restore the newest good checkpoint (rank 0 chooses, all load it); None if none."""
-        choice = [None]
-        if self.rank == 0:
-            found = find_latest(self.root, report)
-            choice = [found.name if found else None]
-        dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
+        """Restore the newest good checkpoint; None if none. Every rank verifies its share
+        of each candidate's files (newest first); the first that all pass is loaded."""
+        world = dist.get_world_size()
+        names = [[p.name for p in committed_steps(self.root)] if self.rank == 0 else None]
+        dist.broadcast_object_list(names, src=0)
+        ckpt = None
+        for name in names[0]:
+            reasons: List[Optional[str]] = [None] * world
+            dist.all_gather_object(reasons, verify(self.root / name, self.rank, world))
+            reason = next((r for r in reasons if r is not None), None)
+            if reason is None:
+                ckpt = self.root / name
+                break
+            if self.rank == 0:
+                report(f"checkpoint {name} ignored: {reason}")
+        if ckpt is None:
             return None
-        ckpt = self.root / choice[0]
         _engine_load(engine, ckpt)
         extra_path = ckpt / f"extra_rank{self.rank}.pt"
         if not extra_path.exists():  # resumed at another world size: rank 0's stream position
@@ -274,20 +340,78 @@ class Checkpointer:
         return extra
 
 
-def _engine_save(engine, path: Path) -> None:
-    if hasattr(engine, "ds"):  # DeepSpeed writes its own sharded files
-        engine.ds.save_checkpoint(str(path / "deepspeed"), tag="state")
-        return
-    import torch.distributed.checkpoint as dcp
+def _write_summed(root: Path, rel: str, obj: Any) -> Dict[str, List[int]]:
+    """torch.save ``obj`` to ``root/rel`` (fsynced); its manifest entry, summed as written."""
+    import io
 
-    dcp.save({"app": _AppState(engine)}, storage_writer=_writer(path / "dcp"))
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getbuffer()
+    with open(root / rel, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {rel: [len(data), zlib.crc32(data)]}
 
 
-def _writer(path: Path):
-    """DCP's file writer: one file per rank, fsynced (needed for the commit protocol)."""
+class _SummingStream:
+    """A file being written, whose CRC32 and size follow the bytes handed to ``write``
+    (DCP writes each file front to back: ``torch.save`` into it, then fsync)."""
+
+    def __init__(self, raw) -> None:
+        self.raw, self.crc, self.size = raw, 0, 0
+
+    def write(self, data) -> int:
+        n = self.raw.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += n
+        return n
+
+    def __getattr__(self, name: str):  # tell, flush, fileno, close
+        return getattr(self.raw, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _summing_writer():
+    """The writer class (defined on first use: importing DCP takes seconds)."""
+    from contextlib import contextmanager
+
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
-    return FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+    class SummingFileSystem(FileSystem):
+        def __init__(self) -> None:
+            self.sums: Dict[Path, List[int]] = {}
+
+        @contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as raw:
+                if mode != "wb":
+                    yield raw
+                    return
+                stream = _SummingStream(raw)
+                yield stream
+                self.sums[Path(path)] = [stream.size, stream.crc]
+
+    class SummingWriter(FileSystemWriter):
+        """DCP's file writer (one file per rank, fsynced: the commit protocol needs it)
+        that also leaves this rank's CRCs, computed as it wrote, in ``side`` (with ``sums``
+        of the files it wrote before) for rank 0's manifest."""
+
+        def __init__(self, root: Path, side: Path, sums: Dict[str, List[int]]) -> None:
+            super().__init__(str(root / "dcp"), single_file_per_rank=True, sync_files=True)
+            self.fs = SummingFileSystem()
+            self.root, self.side, self.prior = root, side, sums
+
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            future.wait()  # done already (DCP writes in this call); raises what the write raised
+            sums = dict(self.prior)
+            sums.update({str(p.relative_to(self.root)): v for p, v in self.fs.sums.items()})
+            self.side.write_text(json.dumps(sums))
+            return future
+
+    return SummingWriter
 
 
 def _engine_load(engine, path: Path) -> None:
