@@ -51,6 +51,7 @@ def test_kill_during_save_keeps_previous_and_resumes_exactly(tmp_path, reference
     again = launcher(BASE + [f"launcher.run_dir={run_dir}"], cwd=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed from step 4" in (run_dir / "logs" / "rank0.log").read_text()
+    assert not list(root.glob(".tmp-*"))  # the killed save's files: removed, never loaded
     assert by_step(run_dir) == by_step(reference)  # bitwise: fp32 on CPU
     segments = [r["segment"] for r in read_metrics(run_dir)]
     assert segments[0] == 0 and segments[-1] == 1

@@ -7,7 +7,7 @@ Layout under ``RUN_DIR/checkpoints``::
         dcp/ or deepspeed/    the sharded model + optimizer state
         extra_rank{R}.pt      per rank: step, data-loader position, RNG states
     latest                    name of the newest committed step (replaced atomically)
-    .tmp-step_00000050/       a save in progress: never loaded, removed on the next save
+    .tmp-step_00000050/       a save in progress (or killed): never loaded, removed at start-up
 
 Commit protocol: every rank writes into the temporary directory (fsynced), computing
 the CRC32 of its files from the bytes as it writes them, and leaves them beside its
@@ -29,7 +29,6 @@ import shutil
 import signal
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -37,6 +36,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
+
+try:  # ISA-L's CRC32: the same checksum as zlib.crc32 (manifests stay compatible), ~6x faster
+    from isal.isal_zlib import crc32
+except ImportError:  # a dependency, but zlib computes the same checksum
+    from zlib import crc32
 
 MANIFEST = "COMMITTED"
 LATEST = "latest"
@@ -52,7 +56,7 @@ def _crc32(path: Path, fsync: bool = False) -> int:
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
+            crc = crc32(view[:n], crc)
         if fsync:  # flush what the ranks wrote before we publish it
             os.fsync(f.fileno())
     return crc
@@ -190,14 +194,20 @@ class Checkpointer:
         t0 = time.perf_counter()
         final = self.root / step_name(step)
         tmp = self.root / f".tmp-{step_name(step)}"
-        if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        dist.barrier()
-        sums = _write_summed(tmp, f"extra_rank{self.rank}.pt", {"step": step, "rng": rng_state(), **extra})
+        background = not blocking and not hasattr(engine, "ds")
+        if background:  # no barrier: a stale temporary directory was removed at start-up (load_latest)
+            tmp.mkdir(parents=True, exist_ok=True)
+        else:
+            if self.rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            dist.barrier()
+        # In the background the writer fsyncs it: an fsync here may wait for the journal.
+        sums = _write_summed(tmp, f"extra_rank{self.rank}.pt", {"step": step, "rng": rng_state(), **extra},
+                             fsync=not background)
         side = tmp / f"{SUMS}{self.rank}.json"
-        if not blocking and not hasattr(engine, "ds"):
+        if background:
             import torch.distributed.checkpoint as dcp
 
             if self._async_group is None:
@@ -227,9 +237,12 @@ class Checkpointer:
         if self.rank == 0:
             for part in parts:
                 written.update(part)
-            self._commit(tmp, final, step, written)
+            self._commit(tmp, final, step, written, prune=False)
         dist.barrier()
         self.last_save_s = time.perf_counter() - t0
+        if self.rank == 0:  # deleting old checkpoints need not hold up the loop (wait() joins it)
+            self._committer = threading.Thread(target=self._prune, daemon=False)
+            self._committer.start()
         return final
 
     def _async_stager(self):
@@ -285,7 +298,8 @@ class Checkpointer:
             self._committer.join()
             self._committer = None
 
-    def _commit(self, tmp: Path, final: Path, step: int, sums: Optional[Dict[str, List[int]]] = None) -> None:
+    def _commit(self, tmp: Path, final: Path, step: int, sums: Optional[Dict[str, List[int]]] = None,
+                prune: bool = True) -> None:
         """Rank 0: the manifest (CRCs the ranks computed, the rest read back), then publish."""
         files = dict(sums) if sums is not None else _written_sums(tmp)
         missing = [p for p in _files(tmp) if str(p.relative_to(tmp)) not in files]
@@ -305,18 +319,23 @@ class Checkpointer:
         pointer.write_text(final.name + "\n")
         os.replace(pointer, self.root / LATEST)
         _fsync_dir(self.root)
-        self._prune()
+        if prune:
+            self._prune()
 
     def _prune(self) -> None:
+        """Committed checkpoints beyond the newest ``keep``. Not temporary directories: an
+        async save of another rank may be writing one already (load_latest removes the
+        stale ones at start-up)."""
         for old in committed_steps(self.root)[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
-        for stale in self.root.glob(".tmp-step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
 
     def load_latest(self, engine, report: Callable[[str], None]) -> Optional[Dict[str, Any]]:
         """Restore the newest good checkpoint; None if none. Every rank verifies its share
         of each candidate's files (newest first); the first that all pass is loaded."""
         world = dist.get_world_size()
+        if self.rank == 0:  # saves killed before their commit: never loaded, removed now
+            for stale in self.root.glob(".tmp-step_*"):
+                shutil.rmtree(stale, ignore_errors=True)
         names = [[p.name for p in committed_steps(self.root)] if self.rank == 0 else None]
         dist.broadcast_object_list(names, src=0)
         ckpt = None
@@ -340,8 +359,8 @@ class Checkpointer:
         return extra
 
 
-def _write_summed(root: Path, rel: str, obj: Any) -> Dict[str, List[int]]:
-    """torch.save ``obj`` to ``root/rel`` (fsynced); its manifest entry, summed as written."""
+def _write_summed(root: Path, rel: str, obj: Any, fsync: bool = True) -> Dict[str, List[int]]:
+    """torch.save ``obj`` to ``root/rel``; its manifest entry, summed as written."""
     import io
 
     buf = io.BytesIO()
@@ -349,9 +368,15 @@ def _write_summed(root: Path, rel: str, obj: Any) -> Dict[str, List[int]]:
     data = buf.getbuffer()
     with open(root / rel, "wb") as f:
         f.write(data)
-        f.flush()
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    return {rel: [len(data), crc32(data)]}
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return {rel: [len(data), zlib.crc32(data)]}
 
 
 class _SummingStream:
@@ -363,7 +388,7 @@ class _SummingStream:
 
     def write(self, data) -> int:
         n = self.raw.write(data)
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32(data, self.crc)
         self.size += n
         return n
 
@@ -396,7 +421,7 @@ def _summing_writer():
     class SummingWriter(FileSystemWriter):
         """DCP's file writer (one file per rank, fsynced: the commit protocol needs it)
         that also leaves this rank's CRCs, computed as it wrote, in ``side`` (with ``sums``
-        of the files it wrote before) for rank 0's manifest."""
+        of the files it wrote before, which it fsyncs) for rank 0's manifest."""
 
         def __init__(self, root: Path, side: Path, sums: Dict[str, List[int]]) -> None:
             super().__init__(str(root / "dcp"), single_file_per_rank=True, sync_files=True)
@@ -406,6 +431,8 @@ def _summing_writer():
         def write_data(self, plan, planner):
             future = super().write_data(plan, planner)
             future.wait()  # done already (DCP writes in this call); raises what the write raised
+            for rel in self.prior:  # written (not fsynced) by this rank before the save
+                _fsync_file(self.root / rel)
             sums = dict(self.prior)
             sums.update({str(p.relative_to(self.root)): v for p, v in self.fs.sums.items()})
             self.side.write_text(json.dumps(sums))

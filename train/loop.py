@@ -119,6 +119,7 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
             log(f"checkpoint step {step + 1} {'started' if background else 'committed'} in "
                 f"{ckpt.last_save_s:.2f} s")
             if preempted:
+                ckpt.close()  # old checkpoints pruned before the job is requeued
                 return "interrupted"
         ckpt.poll()
         if cfg.fault.step_delay_s:
