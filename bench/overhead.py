@@ -27,6 +27,7 @@ The default model (dim 128, 4 layers, vocab 2048, 2 x 4 x 128 tokens/step, ~1.3 
 takes ~50-200 ms a step on 2 CPU ranks with one thread each.
 
     .venv/bin/python bench/overhead.py [--strategies ddp,fsdp --repeats 3 --steps 30 --warmup 5]
+        [--ours-override train.gc_every_steps=0]   (our side with a setting changed)
 """
 from __future__ import annotations
 
@@ -58,11 +59,12 @@ def overrides(strategy: str, args: argparse.Namespace, work: Path) -> list[str]:
             f"data.num_tokens={tokens}"]
 
 
-def make_run_dir(strategy: str, args: argparse.Namespace, work: Path, env: dict, name: str) -> Path:
+def make_run_dir(strategy: str, args: argparse.Namespace, work: Path, env: dict, name: str,
+                 extra: tuple[str, ...] = ()) -> Path:
     """A run directory written by the launcher itself (dry run: config.yaml + provenance)."""
     run_dir = work / name
     proc = subprocess.run([sys.executable, "-m", "launcher", "+cluster=local", *overrides(strategy, args, work),
-                           "launcher.dry_run=true", f"launcher.run_dir={run_dir}"],
+                           *extra, "launcher.dry_run=true", f"launcher.run_dir={run_dir}"],
                           cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not (run_dir / "config.yaml").is_file():
         raise RuntimeError(f"launcher dry run failed:\n{proc.stdout}{proc.stderr}")
@@ -81,7 +83,7 @@ def torchrun(argv: list[str], env: dict, log: Path) -> None:
 
 
 def ours(strategy: str, args: argparse.Namespace, work: Path, env: dict, tag: str) -> dict:
-    run_dir = make_run_dir(strategy, args, work, env, f"ours-{tag}")
+    run_dir = make_run_dir(strategy, args, work, env, f"ours-{tag}", tuple(args.ours_override))
     torchrun(["-m", "train", str(run_dir)], env, work / f"ours-{tag}.out")
     from train.rundir import read_metrics
 
@@ -190,6 +192,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank, both sides")
+    parser.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a launcher override for our side only (e.g. train.gc_every_steps=0); repeatable")
     parser.add_argument("--bare-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)

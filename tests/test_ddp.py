@@ -68,3 +68,13 @@ def test_same_entrypoint_under_torchrun_and_alone(tmp_path):
     assert plain.returncode == 0, plain.stdout + plain.stderr
     info = read_run_json(one)
     assert info["status"] == "completed" and info["world_size"] == 1 and len(read_metrics(one)) == 5
+
+
+def test_scheduled_garbage_collection_changes_nothing(tmp_path):
+    """train.gc_every_steps (automatic GC off, a young collection every N steps) is a
+    speed setting only: the same losses, bitwise, as Python's automatic collection."""
+    runs = [launcher(COMMON + [f"train.gc_every_steps={n}", f"data.cache_dir={tmp_path}/d"], cwd=tmp_path)
+            for n in (2, 0)]
+    assert all(r.returncode == 0 for r in runs), "".join(r.stdout + r.stderr for r in runs)
+    scheduled, automatic = (_losses(run_dir_of(r.stdout)) for r in runs)
+    assert len(scheduled) == 5 and scheduled == automatic

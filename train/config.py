@@ -170,6 +170,10 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     log_every: int = 1
+    # Python's automatic garbage collection is off during training and a young-generation
+    # collection runs every this many steps (as torchtitan's training.gc_freq): the
+    # automatic one stops the step at random times to scan every object. 0 = leave it on.
+    gc_every_steps: int = 50
     # Gloo/NCCL collective timeout in seconds. Keep it above cluster.hang_timeout_s: the
     # watchdog then reports a hang (stacks, NCCL flight recorder) before NCCL aborts.
     dist_timeout_s: int = 600

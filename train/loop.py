@@ -1,6 +1,7 @@
 """The training loop: data -> engine step -> metrics. One loop for every strategy."""
 from __future__ import annotations
 
+import gc
 import math
 import time
 from pathlib import Path
@@ -57,13 +58,30 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
         loader.load_state_dict(restored["loader"])
         log(f"resumed from step {restored['step']} (segment {segment})")
 
+    last_save = time.monotonic()
+    gc_every = cfg.train.gc_every_steps
+    if gc_every > 0:  # see TrainConfig.gc_every_steps; re-enabled on the way out
+        gc.collect()
+        gc.freeze()  # the model, optimizer and imports: never scanned again
+        gc.disable()
+    try:
+        return _steps(cfg, ctx, run_dir, segment, log, flag, ckpt, watchdog, engine, loader, last_save)
+    finally:
+        if gc_every > 0:
+            gc.enable()
+            gc.unfreeze()
+
+
+def _steps(cfg: RunConfig, ctx: DistContext, run_dir: Path, segment: int, log, flag: PreemptionFlag,
+           ckpt: Checkpointer, watchdog: Watchdog, engine, loader: ShardedLoader, last_save: float) -> str:
     tokens_per_step = loader.global_batch * cfg.train.seq_len
     flops_token = flops_per_token(cfg.model, cfg.train.seq_len)
     n_gpus = ctx.world_size if ctx.device.type == "cuda" or cfg.cluster.accelerator == "gpu" else 0
     peak = cfg.cluster.peak_tflops_bf16 if n_gpus else None
-    last_save = time.monotonic()
     watchdog.begin(loader.state.step)
     for step in range(loader.state.step, cfg.train.steps):
+        if cfg.train.gc_every_steps > 0 and step % cfg.train.gc_every_steps == 0:
+            gc.collect(1)
         t0 = time.perf_counter()
         watchdog.phase("compute", step)
         lr = lr_at(step, cfg)
