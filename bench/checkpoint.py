@@ -210,7 +210,8 @@ def worker(rank: int, world: int, port: int, work: str, dim: int, layers: int, r
         latest = root / (root / "latest").read_text().strip()
         med = statistics.median
         out.update(sync=med(sync), sync_cold=med(sync_cold), stall=med(stall), call=med(call),
-                   staging=med(staging), slow=med(slow), write=med(write), base_step=base_step, restore=med(restore), nbytes=dir_bytes(latest),
+                   staging=med(staging), slow=med(slow), write=med(write), base_step=base_step,
+                   restore=med(restore), nbytes=dir_bytes(latest),
                    params=sum(p.numel() for p in engine.module.parameters()))
     shutdown()
 

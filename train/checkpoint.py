@@ -78,7 +78,8 @@ def _checksums(root: Path, paths: List[Path], fsync: bool = False) -> Dict[str, 
     return {str(p.relative_to(root)): [p.stat().st_size, _crc32(p, fsync)] for p in paths}
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file or a directory (its entries: a rename in it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -89,6 +90,11 @@ def _fsync_dir(path: Path) -> None:
 def _files(root: Path) -> List[Path]:
     return sorted(p for p in root.rglob("*")
                   if p.is_file() and p.name != MANIFEST and not p.name.startswith(SUMS))
+
+
+def _unsummed(root: Path, sums: Dict[str, List[int]]) -> List[Path]:
+    """The files under ``root`` that ``sums`` has no entry for (they are read back)."""
+    return [p for p in _files(root) if str(p.relative_to(root)) not in sums]
 
 
 def _written_sums(root: Path) -> Dict[str, List[int]]:
@@ -231,7 +237,7 @@ class Checkpointer:
             os.kill(os.getpid(), signal.SIGKILL)
         # The files no rank summed as it wrote, read back (and fsynced), shared out.
         written = _written_sums(tmp)
-        rest = [p for p in _files(tmp) if str(p.relative_to(tmp)) not in written]
+        rest = _unsummed(tmp, written)
         parts: List[Dict[str, List[int]]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(parts, _checksums(tmp, _share(rest, self.rank, dist.get_world_size()), fsync=True))
         if self.rank == 0:
@@ -302,23 +308,21 @@ class Checkpointer:
                 prune: bool = True) -> None:
         """Rank 0: the manifest (CRCs the ranks computed, the rest read back), then publish."""
         files = dict(sums) if sums is not None else _written_sums(tmp)
-        missing = [p for p in _files(tmp) if str(p.relative_to(tmp)) not in files]
-        files.update(_checksums(tmp, missing, fsync=True))
+        files.update(_checksums(tmp, _unsummed(tmp, files), fsync=True))
         for side in tmp.glob(SUMS + "*.json"):
             side.unlink()
         manifest = tmp / MANIFEST
         manifest.write_text(json.dumps({"step": step, "time": time.time(), "files": dict(sorted(files.items()))},
                                        indent=1))
-        with open(manifest) as f:
-            os.fsync(f.fileno())
+        _fsync(manifest)
         if final.exists():  # a re-save of the same step (e.g. resumed and preempted at once)
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        _fsync(self.root)
         pointer = self.root / f".{LATEST}.tmp"
         pointer.write_text(final.name + "\n")
         os.replace(pointer, self.root / LATEST)
-        _fsync_dir(self.root)
+        _fsync(self.root)
         if prune:
             self._prune()
 
@@ -374,11 +378,6 @@ def _write_summed(root: Path, rel: str, obj: Any, fsync: bool = True) -> Dict[st
     return {rel: [len(data), crc32(data)]}
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 class _SummingStream:
     """A file being written, whose CRC32 and size follow the bytes handed to ``write``
     (DCP writes each file front to back: ``torch.save`` into it, then fsync)."""
@@ -432,7 +431,7 @@ def _summing_writer():
             future = super().write_data(plan, planner)
             future.wait()  # done already (DCP writes in this call); raises what the write raised
             for rel in self.prior:  # written (not fsynced) by this rank before the save
-                _fsync_file(self.root / rel)
+                _fsync(self.root / rel)
             sums = dict(self.prior)
             sums.update({str(p.relative_to(self.root)): v for p, v in self.fs.sums.items()})
             self.side.write_text(json.dumps(sums))

@@ -58,14 +58,13 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
         loader.load_state_dict(restored["loader"])
         log(f"resumed from step {restored['step']} (segment {segment})")
 
-    last_save = time.monotonic()
     gc_every = cfg.train.gc_every_steps
     if gc_every > 0:  # see TrainConfig.gc_every_steps; re-enabled on the way out
         gc.collect()
         gc.freeze()  # the model, optimizer and imports: never scanned again
         gc.disable()
     try:
-        return _steps(cfg, ctx, run_dir, segment, log, flag, ckpt, watchdog, engine, loader, last_save)
+        return _steps(cfg, ctx, run_dir, segment, log, flag, ckpt, watchdog, engine, loader)
     finally:
         if gc_every > 0:
             gc.enable()
@@ -73,7 +72,8 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
 
 
 def _steps(cfg: RunConfig, ctx: DistContext, run_dir: Path, segment: int, log, flag: PreemptionFlag,
-           ckpt: Checkpointer, watchdog: Watchdog, engine, loader: ShardedLoader, last_save: float) -> str:
+           ckpt: Checkpointer, watchdog: Watchdog, engine, loader: ShardedLoader) -> str:
+    last_save = time.monotonic()
     tokens_per_step = loader.global_batch * cfg.train.seq_len
     flops_token = flops_per_token(cfg.model, cfg.train.seq_len)
     n_gpus = ctx.world_size if ctx.device.type == "cuda" or cfg.cluster.accelerator == "gpu" else 0
