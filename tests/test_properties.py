@@ -278,6 +278,7 @@ def test_setup_lines_are_shell_by_design():
     ("optim.grad_clip", -1.0, "must be >= 0"),
     ("data.num_tokens", 0, "must be >= 1"),
     ("data.seed", -1, "must be >= 0"),
+    ("train.gc_every_steps", -1, "must be >= 0"),
     ("train.dist_timeout_s", 0, "must be >= 1"),
     ("train.dist_timeout_s", 300, "must be at most train.dist_timeout_s - 5 = 295"),  # hang 300 s default
     ("cluster.hang_timeout_s", 900, "must be at most train.dist_timeout_s - 5 = 595"),
