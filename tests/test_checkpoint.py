@@ -58,9 +58,10 @@ def test_kill_during_save_keeps_previous_and_resumes_exactly(tmp_path, reference
 
 
 def test_rank1_share_of_the_checksums_is_verified_on_resume(tmp_path, reference):
-    """On resume each rank reads back and checksums its share of the files; a byte flipped
-    in the file rank 1 verifies makes every rank skip that checkpoint (here the only one:
-    the run starts over) and the run still ends equal to the uninterrupted one."""
+    """On resume each rank checksums its share of the files (its own DCP file as it loads
+    it); a byte flipped in a tensor of the file rank 1 verifies makes every rank skip that
+    checkpoint (here the only one: the run starts over, with the model built again since
+    the load had read part of it) and the run still ends equal to the uninterrupted one."""
     from train.checkpoint import _share
 
     run_dir = tmp_path / "run"
@@ -80,6 +81,7 @@ def test_rank1_share_of_the_checksums_is_verified_on_resume(tmp_path, reference)
     rel = victim.relative_to(ckpt)
     assert f"checkpoint step_00000004 ignored: checksum mismatch in {rel}" in log
     assert "resumed from step" not in log
+    assert "building the model again" in log
     assert by_step(run_dir) == by_step(reference)
 
 

@@ -17,7 +17,8 @@ DCP's ``.metadata``) are read back and summed, shared out among the ranks; rank 
 fsyncs the parent, then replaces ``latest``. A kill at any point leaves either the
 previous checkpoint as newest or the new one complete. Loading picks the newest
 directory whose manifest verifies (sizes, and CRCs read back, the files shared out
-among the ranks); a corrupt or truncated one is reported and skipped.
+among the ranks; DCP's data files summed as they are loaded, see ``load_latest``); a
+corrupt or truncated one is reported and skipped.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import threading
@@ -62,12 +64,18 @@ def _crc32(path: Path, fsync: bool = False) -> int:
     return crc
 
 
+_DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # DCP's file of writer rank R: __R_N.distcp
+
+
 def _share(paths: List[Path], rank: int, world: int) -> List[Path]:
-    """This rank's part of ``paths``: the largest first, each to the least loaded rank
-    (every rank computes the same split from the same listing)."""
+    """This rank's part of ``paths`` to checksum (every rank computes the same split from the
+    same listing). DCP's data file written by rank R goes to rank R % world: the rank that
+    reads most of it on resume checksums it as it reads it (``_verifying_reader``). The
+    rest: the largest first, each to the least loaded rank."""
     load, mine = [0] * world, []
     for path in sorted(paths, key=lambda p: (-p.stat().st_size, str(p))):
-        owner = load.index(min(load))
+        match = _DCP_FILE.search(path.name)
+        owner = int(match.group(1)) % world if match else load.index(min(load))
         load[owner] += path.stat().st_size
         if owner == rank:
             mine.append(path)
@@ -105,12 +113,14 @@ def _written_sums(root: Path) -> Dict[str, List[int]]:
     return sums
 
 
-def verify(ckpt: Path, rank: int = 0, world: int = 1) -> Optional[str]:
+def verify(ckpt: Path, rank: int = 0, world: int = 1, deferred: Callable[[str], bool] = lambda rel: False
+           ) -> Optional[str]:
     """None when ``ckpt`` is a complete committed checkpoint, else the reason it is not.
 
     Every caller checks the manifest and every file's size; with ``world`` > 1 each rank
     reads back and checksums only its share of the files (see ``_share``), so the ranks
-    must combine their answers (``Checkpointer.load_latest`` does)."""
+    must combine their answers (``Checkpointer.load_latest`` does). Files for which
+    ``deferred(rel)`` holds are not read here: the caller checksums them as it loads them."""
     manifest = ckpt / MANIFEST
     if not manifest.is_file():
         return "no commit marker"
@@ -126,7 +136,7 @@ def verify(ckpt: Path, rank: int = 0, world: int = 1) -> Optional[str]:
             return f"truncated file {rel} ({path.stat().st_size} of {size} bytes)"
     for path in _share([ckpt / rel for rel in info["files"]], rank, world):
         rel = str(path.relative_to(ckpt))
-        if _crc32(path) != info["files"][rel][1]:
+        if not deferred(rel) and _crc32(path) != info["files"][rel][1]:
             return f"checksum mismatch in {rel}"
     return None
 
@@ -193,6 +203,7 @@ class Checkpointer:
         self._guarded: set = set()  # ids of the optimizers whose step waits for it
         self.last_save_s = 0.0
         self.staging_wait_s = 0.0  # time optimizer steps waited for a snapshot, summed
+        self.engine_dirty = False  # see load_latest
 
     def save(self, engine, step: int, extra: Dict[str, Any], kill_before_commit: bool = False,
              blocking: bool = True) -> Path:
@@ -334,19 +345,30 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def load_latest(self, engine, report: Callable[[str], None]) -> Optional[Dict[str, Any]]:
-        """Restore the newest good checkpoint; None if none. Every rank verifies its share
-        of each candidate's files (newest first); the first that all pass is loaded."""
+        """Restore the newest good checkpoint; None if none. Every rank checks each
+        candidate's manifest and file sizes and checksums its share of the files (newest
+        first); the first that all pass is loaded.
+
+        DCP's data files are checksummed as they are read, in the same pass over the disk
+        (``_verifying_reader``): a mismatch fails the load on every rank and the next
+        candidate is tried. That load may have put part of the rejected checkpoint into
+        the engine's tensors; the next one overwrites all of them, and if none is left
+        ``engine_dirty`` tells the caller to build the engine again."""
         world = dist.get_world_size()
+        self.engine_dirty = False
         if self.rank == 0:  # saves killed before their commit: never loaded, removed now
             for stale in self.root.glob(".tmp-step_*"):
                 shutil.rmtree(stale, ignore_errors=True)
         names = [[p.name for p in committed_steps(self.root)] if self.rank == 0 else None]
         dist.broadcast_object_list(names, src=0)
+        in_load = (lambda rel: False) if hasattr(engine, "ds") else (lambda rel: bool(_DCP_FILE.search(rel)))
         ckpt = None
         for name in names[0]:
             reasons: List[Optional[str]] = [None] * world
-            dist.all_gather_object(reasons, verify(self.root / name, self.rank, world))
+            dist.all_gather_object(reasons, verify(self.root / name, self.rank, world, in_load))
             reason = next((r for r in reasons if r is not None), None)
+            if reason is None:
+                reason = self._engine_load(engine, self.root / name, in_load)
             if reason is None:
                 ckpt = self.root / name
                 break
@@ -354,13 +376,177 @@ class Checkpointer:
                 report(f"checkpoint {name} ignored: {reason}")
         if ckpt is None:
             return None
-        _engine_load(engine, ckpt)
         extra_path = ckpt / f"extra_rank{self.rank}.pt"
         if not extra_path.exists():  # resumed at another world size: rank 0's stream position
             extra_path = ckpt / "extra_rank0.pt"
         extra = torch.load(extra_path, weights_only=False)
         set_rng_state(extra["rng"])
         return extra
+
+    def _engine_load(self, engine, ckpt: Path, in_load: Callable[[str], bool]) -> Optional[str]:
+        """Load ``ckpt`` into ``engine`` (collective); the reason if a file it read was corrupt."""
+        if hasattr(engine, "ds"):  # verified beforehand: DeepSpeed reads its files itself
+            engine.ds.load_checkpoint(str(ckpt / "deepspeed"), tag="state")
+            return None
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+        mine = _share([ckpt / rel for rel in files], self.rank, dist.get_world_size())
+        owned = {p.name: files[str(p.relative_to(ckpt))] for p in mine if in_load(str(p.relative_to(ckpt)))}
+        try:
+            dcp.load({"app": _AppState(engine)}, storage_reader=_verifying_reader()(ckpt / "dcp", owned))
+        except CheckpointException as exc:
+            corrupt = [e for e, _ in exc.failures.values() if isinstance(e, CorruptCheckpoint)]
+            if not corrupt:
+                raise
+            self.engine_dirty = True
+            return str(corrupt[0])
+        return None
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint file's bytes do not match its manifest entry."""
+
+
+@functools.lru_cache(maxsize=None)
+def _verifying_reader():
+    """The reader class (defined on first use: importing DCP takes seconds)."""
+    import io
+
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.distributed.checkpoint.utils import _create_file_view
+    from torch.futures import Future
+
+    class VerifyingReader(FileSystemReader):
+        """DCP's file reader, in one pass over the files: the ones this rank owns
+        (``owned``: file name -> [size, CRC32] from the manifest) are read front to back
+        and checksummed on the way, and a tensor whose destination is a contiguous CPU
+        tensor of its dtype and shape is read straight into it (DCP's reader
+        ``torch.load``s each into a new tensor, then copies it). The saved tensor's
+        layout and the offset of its bytes come from ``torch.load(map_location="meta")``,
+        which reads the record's pickle but not its data. Any other item goes DCP's way."""
+
+        def __init__(self, path: Path, owned: Dict[str, List[int]]) -> None:
+            super().__init__(str(path))
+            self.owned = owned
+            self.direct = 0  # tensors read straight into their destination (tests)
+
+        def read_data(self, plan, planner):
+            per_file: Dict[str, list] = {}
+            for req in plan.items:
+                per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+            # its own files first: the other ranks meanwhile bring theirs into the page cache
+            order = sorted(per_file, key=lambda rel: (rel not in self.owned, rel))
+            for rel in order:  # read ahead (the records' headers are read before their data)
+                fd = os.open(Path(self.path) / rel, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                os.close(fd)
+            for rel in order:
+                self._read_file(rel, per_file[rel], planner)
+            for rel, (_, crc) in self.owned.items():
+                if rel not in per_file and _crc32(Path(self.path) / rel) != crc:
+                    raise CorruptCheckpoint(f"checksum mismatch in dcp/{rel}")
+            future: Future = Future()
+            future.set_result(None)
+            return future
+
+        def _read_file(self, rel: str, reqs: list, planner) -> None:
+            expected = self.owned.get(rel)
+            blobs: Dict[Any, list] = {}
+            for req in reqs:
+                blobs.setdefault(req.storage_index, []).append(req)
+            order = sorted(blobs.items(), key=lambda kv: self.storage_data[kv[0]].offset)
+            crc, pos, scratch = 0, 0, memoryview(bytearray(8 << 20))
+            with open(Path(self.path) / rel, "rb", buffering=0) as f:
+
+                def read_into(view: memoryview) -> None:
+                    nonlocal crc, pos
+                    f.seek(pos)
+                    done = 0
+                    while done < len(view):
+                        n = f.readinto(view[done:])
+                        if not n:
+                            raise CorruptCheckpoint(f"truncated file dcp/{rel} (ends at {pos + done})")
+                        done += n
+                    if expected is not None:
+                        crc = crc32(view, crc)
+                    pos += done
+
+                def advance(end: int) -> None:  # to ``end``: read and summed if owned
+                    nonlocal pos
+                    if expected is None:
+                        pos = max(pos, end)
+                    while pos < end:
+                        read_into(scratch[:min(len(scratch), end - pos)])
+
+                try:
+                    for index, group in order:
+                        info = self.storage_data[index]
+                        advance(info.offset)
+                        direct = self._destination(f, info, group, planner)
+                        if direct is not None:
+                            target, start = direct
+                            advance(info.offset + start)
+                            read_into(memoryview(target.reshape(-1).view(torch.uint8).numpy()))
+                            advance(info.offset + info.length)
+                            planner.commit_tensor(group[0], target)
+                            self.direct += 1
+                            continue
+                        blob = bytearray(info.length)
+                        read_into(memoryview(blob))
+                        for req in group:
+                            self._load_item(req, info, io.BytesIO(blob), planner)
+                    if expected is not None:
+                        advance(expected[0])
+                except CorruptCheckpoint:
+                    raise
+                except Exception as exc:  # unreadable: corrupt if its checksum says so
+                    if expected is not None and _crc32(Path(self.path) / rel) != expected[1]:
+                        raise CorruptCheckpoint(f"checksum mismatch in dcp/{rel}") from exc
+                    raise
+            if expected is not None and crc != expected[1]:
+                raise CorruptCheckpoint(f"checksum mismatch in dcp/{rel}")
+
+        def _destination(self, f, info, group: list, planner) -> Optional[Tuple[torch.Tensor, int]]:
+            """(destination, offset of the bytes in the record) if the item can be read
+            straight into its destination, else None."""
+            req = group[0]
+            if len(group) > 1 or req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                return None
+            target = planner.resolve_tensor(req).detach()
+            if target.device.type != "cpu" or not target.is_contiguous():
+                return None
+            saved = torch.load(_create_file_view(f, info.offset, info.length), map_location="meta",
+                               weights_only=True)
+            if not isinstance(saved, torch.Tensor):
+                return None
+            start = getattr(saved.untyped_storage(), "_checkpoint_offset", None)
+            saved = narrow_tensor_by_index(saved, req.storage_offsets, req.lengths)
+            if start is None or saved.dtype != target.dtype or saved.size() != target.size() \
+                    or not saved.is_contiguous():
+                return None
+            return target, start + saved.storage_offset() * saved.element_size()
+
+        def _load_item(self, req, info, stream, planner) -> None:
+            """One item DCP's way (filesystem.FileSystemReader.read_data) from its record."""
+            stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (), stream)
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+                return
+            if not stream.seekable():
+                stream = io.BytesIO(stream.read(-1))
+            tensor = narrow_tensor_by_index(torch.load(stream, map_location="cpu", weights_only=True),
+                                            req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+
+    return VerifyingReader
 
 
 def _write_summed(root: Path, rel: str, obj: Any, fsync: bool = True) -> Dict[str, List[int]]:
@@ -438,15 +624,6 @@ def _summing_writer():
             return future
 
     return SummingWriter
-
-
-def _engine_load(engine, path: Path) -> None:
-    if hasattr(engine, "ds"):
-        engine.ds.load_checkpoint(str(path / "deepspeed"), tag="state")
-        return
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load({"app": _AppState(engine)}, checkpoint_id=str(path / "dcp"))
 
 
 class _AppState:
