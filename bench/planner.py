@@ -10,9 +10,9 @@ use), take two optimizer steps, and measure:
   lived before the model was built and the logits the loop still holds. Predicted:
   params + grads + optimizer (+ host memory) of launcher.memory.estimate;
 - activations: the distinct storages autograd saves for backward in one step (saved-
-  tensor hooks), parameters aside. Predicted: the planner's activations without what
-  autograd does not save (the logits the loop holds and their fp32 gradient, (e + 4) x
-  vocab per token, and the block in flight in backward);
+  tensor hooks), parameters aside; pipeline runs: the most saved at any one time, as a
+  stage frees each micro-batch's in its backward. Predicted: the planner's activations
+  without what autograd does not save (``predicted_saved``);
 - peak: the rise of the peak RSS over the RSS before the model was built, with
   MALLOC_MMAP_THRESHOLD_=65536 so freed buffers go back to the OS. Predicted: the
   planner's total (states + activations + buffers; no GPU overhead on CPU).
@@ -102,6 +102,8 @@ def rank_main(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
     ctx = init_distributed(120)
     layout = build_layout(cfg)
     get_builder(cfg)  # imports the engine (deepspeed: ~100 MB of RSS) before the baseline
+    if layout.pp > 1:  # parallelize imports it lazily: torch.distributed.pipelining pulls in
+        import train.strategies.pp  # noqa: F401  torch._dynamo, ~29 MB of RSS
     before_tensors, before_rss = live_tensor_bytes(), _rss()
     most = [0]
     logits = tuple(torch.Size([v]) for v in {cfg.model.vocab_size, cfg.model.vocab_size // layout.tp})
@@ -116,13 +118,34 @@ def rank_main(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
     register_optimizer_step_post_hook(census)
     engine = parallelize(build_model(cfg.model, "meta"), cfg, layout, ctx)
     gen = torch.Generator().manual_seed(rank)
-    t, saved = cfg.train, {}
+    t, saved, held = cfg.train, {}, {}
+    most_held = [0, 0]  # bytes of the storages saved right now, and their most
 
-    def pack(x: torch.Tensor) -> torch.Tensor:
+    class Held:
+        """A saved tensor in a pipeline run: counts its storage until autograd frees it."""
+        __slots__ = ("x", "key")
+
+        def __init__(self, x: torch.Tensor, key: tuple) -> None:
+            self.x, self.key = x, key
+            if held.setdefault(key[0], [0, key[1]])[0] == 0:
+                most_held[0] += key[1]
+                most_held[1] = max(most_held)
+            held[key[0]][0] += 1
+
+        def __del__(self) -> None:
+            held[self.key[0]][0] -= 1
+            if held[self.key[0]][0] == 0:
+                most_held[0] -= held.pop(self.key[0])[1]
+
+    def pack(x: torch.Tensor):
         # activations: what autograd keeps for backward, parameters (and FSDP's gathered
         # ones) aside; the bf16 weight casts of autocast do count (a planner buffer)
         param = isinstance(x, torch.nn.Parameter) or isinstance(x._base, torch.nn.Parameter)
         key = None if param or x.device.type != "cpu" else _storage(x)
+        if key and layout.pp > 1:
+            # a pipeline stage frees each micro-batch's tensors in its backward while it
+            # saves other micro-batches' (at recycled addresses): count the most saved at once
+            return Held(x, key)
         if key:
             saved[key[0]] = max(saved.get(key[0], 0), key[1])
         return x
@@ -132,12 +155,13 @@ def rank_main(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
         for _ in range(t.grad_accum):
             tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), generator=gen)
             batches.append((tokens[:, :-1], tokens[:, 1:]))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x) if step else contextlib.nullcontext():
+        unpack = lambda h: h.x if isinstance(h, Held) else h  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack) if step else contextlib.nullcontext():
             engine.train_step(batches, 1e-3)
     states = max(most[0], live_tensor_bytes(logits)) - before_tensors
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before_rss
     Path(out_dir, f"{rank}.json").write_text(json.dumps({"states": states, "peak": peak,
-                                                         "saved": sum(saved.values())}))
+                                                         "saved": most_held[1] or sum(saved.values())}))
     shutdown()
 
 
@@ -152,8 +176,27 @@ def measure(cfg, world: int) -> list:
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
 
 
+def predicted_saved(cfg, layout, mem) -> float:
+    """The planner's activations less what autograd does not save. One micro-batch through
+    the whole model: the logits the loop holds and their fp32 gradient ((e + 4) x vocab per
+    token) and the block in flight. A pipeline: the most saved at once on the first or the
+    last stage, the held micro-batches' blocks (and head, less its logits). Autocast's
+    weight casts are saved too (a planner buffer; the heaviest stage's)."""
+    from launcher.memory import activation_terms, block_bytes, compute_bytes, pipeline_held, uses_autocast
+
+    e, t, m, autocast = compute_bytes(cfg), cfg.train, cfg.model, uses_autocast(cfg)
+    casts = e * mem.stage_params if autocast else 0.0
+    if layout.pp == 1:
+        unsaved = (e + 4) * m.vocab_size + block_bytes(m, layout.tp, e, autocast, False)
+        return mem.activation_bytes - t.micro_batch_size * t.seq_len * unsaved + casts
+    saved, _, head, _ = activation_terms(cfg, layout, cfg.strategy.activation_checkpointing)
+    first, last = pipeline_held(cfg, layout)
+    micro = t.micro_batch_size * t.grad_accum * t.seq_len / cfg.strategy.pp_microbatches
+    return micro * max(first * saved, last * (saved + head - e * m.vocab_size)) + casts
+
+
 def main() -> None:
-    from launcher.memory import block_bytes, compute_bytes, estimate, uses_autocast
+    from launcher.memory import estimate
     from launcher.overrides import group_options
     from launcher.plan import compose
     from train.config import ConfigError
@@ -192,33 +235,20 @@ def main() -> None:
                     continue
                 states = max(r["states"] for r in ranks)
                 peak = max(r["peak"] for r in ranks)
-                e, t, autocast = compute_bytes(cfg), cfg.train, uses_autocast(cfg)
-                # the logits the loop holds and their fp32 gradient are not saved tensors, nor is
-                # the block in flight; autocast's weight casts are (a planner buffer)
-                tokens = t.micro_batch_size * t.seq_len
-                unsaved = tokens * ((e + 4) * cfg.model.vocab_size + block_bytes(cfg.model, layout.tp, e, autocast, False))
-                unsaved -= mem.buffer_bytes if autocast else 0.0
                 row = dict(strategy=name, ranks=world, precision=prec, measured_state_bytes=states,
                            predicted_state_bytes=mem.model_state_bytes + mem.cpu_bytes,
                            measured_activation_bytes=max(r["saved"] for r in ranks),
-                           predicted_activation_bytes=mem.activation_bytes - unsaved,
+                           predicted_activation_bytes=predicted_saved(cfg, layout, mem),
                            measured_peak_bytes=peak, predicted_peak_bytes=mem.total_bytes + mem.cpu_bytes
                            + (DS_CPU_SHM if cfg.strategy.engine == "deepspeed" else 0),
                            seconds=round(time.time() - t0, 1))
                 row["state_ratio"] = row["measured_state_bytes"] / row["predicted_state_bytes"]
                 row["activation_ratio"] = row["measured_activation_bytes"] / row["predicted_activation_bytes"]
-                if layout.pp > 1:
-                    # ``unsaved`` assumes one micro-batch through the whole model with the loop
-                    # holding its logits; a pipeline stage holds other things (not modelled
-                    # here yet), so there is no like-for-like prediction to print.
-                    row["predicted_activation_bytes"] = row["activation_ratio"] = None
                 row["peak_ratio"] = row["measured_peak_bytes"] / row["predicted_peak_bytes"]
                 if args.json:
                     print(json.dumps(row), flush=True)
                     continue
-                pred_act = row["predicted_activation_bytes"]
-                act = (f"{pred_act / mb:<9.1f}{row['activation_ratio']:>7.2f}" if pred_act is not None
-                       else f"{'n/a':<9}{'n/a':>7}")
+                act = f"{row['predicted_activation_bytes'] / mb:<9.1f}{row['activation_ratio']:>7.2f}"
                 print(f"{name:<15}{world:>5}{prec:>6}  {states / mb:>9.1f}/{row['predicted_state_bytes'] / mb:<10.1f}"
                       f"{row['state_ratio']:>7.2f}  {row['measured_activation_bytes'] / mb:>9.1f}/"
                       f"{act}  {peak / mb:>8.1f}/{row['predicted_peak_bytes'] / mb:<9.1f}"

@@ -149,44 +149,84 @@ def checkpointed_blocks(layers: int, mode: str) -> int:
     return {"none": 0, "selective": (layers + 1) // 2, "full": layers}[mode]
 
 
-def activation_bytes(cfg: RunConfig, layout: Layout, mode: str) -> float:
-    """Activations on the heaviest rank for one micro-step (gradient accumulation reuses them).
+def activation_terms(cfg: RunConfig, layout: Layout, mode: str) -> Tuple[float, float, float, float]:
+    """Bytes per token of the heaviest stage: (saved, in flight, head, head gradient).
 
-    Per token: the stage's blocks (checkpointed ones keep only their input), plus the
-    output layer: the final norm 12h, logits in compute dtype, the fp32 log-softmax kept
-    by cross-entropy and its fp32 gradient, (e + 8) x vocab (whole on every TP rank:
-    tp.py gathers the logits for the loss). Pipeline: micro-steps
-    split into pp_microbatches; 1F1B keeps min(pp, m) microbatches in flight on the first
-    stage, GPipe all m."""
-    m, s, t = cfg.model, cfg.strategy, cfg.train
+    saved:     what the stage's blocks keep from forward to backward (checkpointed ones
+               their input only);
+    in flight: at the peak backward reaches the last block: its gradients (+1 block)
+               and, if that block is checkpointed, its recomputed activations (+1 block);
+    head:      the output layer: the final norm 12h (its output gathered whole), the
+               logits in compute dtype and the fp32 log-softmax cross-entropy keeps,
+               (e + 4) x vocab (whole on every TP rank: tp.py gathers the logits);
+    head gradient: the log-softmax's fp32 gradient, 4 x vocab."""
+    m = cfg.model
     e, autocast = compute_bytes(cfg), uses_autocast(cfg)
     layers = math.ceil(m.n_layers / layout.pp)
     ckpt = checkpointed_blocks(layers, mode)
     full, kept = (block_bytes(m, layout.tp, e, autocast, c) for c in (False, True))
-    # The peak is when backward reaches the last block: every block's saved tensors, the
-    # last block's gradients in flight (+1 block) and, if that block is checkpointed, its
-    # recomputed activations (+1 block).
     last_recomputed = mode == "full" or (mode == "selective" and (layers - 1) % 2 == 0)
-    blocks = ckpt * kept + (layers - ckpt) * full + full + (full if last_recomputed else 0.0)
-    # final norm (its output gathered whole), then the head: tp.py gathers the logits
-    logits = (12 - e) * m.dim / layout.tp + e * m.dim + (e + 8) * m.vocab_size
-    tokens = t.micro_batch_size * t.seq_len
+    saved = ckpt * kept + (layers - ckpt) * full
+    flight = full + (full if last_recomputed else 0.0)
+    head = (12 - e) * m.dim / layout.tp + e * m.dim + (e + 4) * m.vocab_size
+    return saved, flight, head, 4.0 * m.vocab_size
+
+
+def pipeline_held(cfg: RunConfig, layout: Layout) -> Tuple[int, int]:
+    """Micro-batches whose saved tensors the (first, last) stage holds at its peak: GPipe
+    runs every forward before the first backward (m, m); 1F1B starts the backward of a
+    micro-batch after p - s warm-up forwards on stage s (min(p, m), 1). Interleaved 1F1B
+    is counted as 1F1B (not measured)."""
+    m = cfg.strategy.pp_microbatches
+    return (m, m) if cfg.strategy.pp_schedule == "gpipe" else (min(layout.pp, m), 1)
+
+
+def activation_bytes(cfg: RunConfig, layout: Layout, mode: str) -> float:
+    """Activations on the heaviest rank for one micro-step (gradient accumulation reuses
+    them): tokens x (saved + in flight + head + head gradient) of :func:`activation_terms`.
+
+    Pipeline (train/strategies/pp.py runs the rank's whole step, micro_batch_size x
+    grad_accum sequences, as one schedule of m = pp_microbatches micro-batches): the
+    heaviest of these, each measured on CPU (docs/planner.md), per stage
+      first: the held micro-batches' saved tensors, one block in flight, and the gradient
+             receive buffers PipelineStage allocates for all m micro-batches (the whole
+             step's residual stream: 4 B under autocast, else e; / tp);
+      middle (pp > 2): one micro-batch less than the first, all three kinds of buffers;
+      last:  the same for the blocks and the head, and the activation receive buffers of
+             all m micro-batches with the gradients autograd accumulates in them (kept
+             until the next step).
+    pp.py calls schedule.step(return_outputs=False): with the default the last stage kept
+    every micro-batch's logits (``output_chunks``) and concatenated them into a second
+    copy after the last backward, two more copies of the step's logits (measured, then
+    removed). The schedule's ``losses`` (m scalars) and the token ids are negligible."""
+    m, s, t = cfg.model, cfg.strategy, cfg.train
+    saved, flight, head, grad = activation_terms(cfg, layout, mode)
     if layout.pp == 1:
-        return tokens * (blocks + logits)
-    micro = tokens / s.pp_microbatches
-    in_flight = s.pp_microbatches if s.pp_schedule == "gpipe" else min(layout.pp, s.pp_microbatches)
-    first = in_flight * micro * blocks
-    last = (s.pp_microbatches if s.pp_schedule == "gpipe" else 1) * micro * (blocks + logits)
-    return max(first, last)
+        return t.micro_batch_size * t.seq_len * (saved + flight + head + grad)
+    e, n = compute_bytes(cfg), s.pp_microbatches
+    step = t.micro_batch_size * t.grad_accum * t.seq_len
+    micro = step / n
+    hidden = step * (4 if uses_autocast(cfg) else e) * m.dim / layout.tp
+    first_held, last_held = pipeline_held(cfg, layout)
+    first = micro * (first_held * saved + flight) + hidden
+    # a middle stage (pp > 2) holds one micro-batch less than the first and all three buffers
+    middle = micro * ((n if s.pp_schedule == "gpipe" else min(layout.pp - 1, n)) * saved + flight) + 3 * hidden
+    last = micro * (last_held * (saved + head) + flight + grad) + 2 * hidden
+    return max(first, middle if layout.pp > 2 else 0.0, last)
 
 
 def _torch_states(cfg: RunConfig, layout: Layout, psi: int, block: int, root: int, e: int):
     """DDP keeps fp32 params, grads (views of its buckets) and Adam, plus autocast's bf16
     casts of the weights, saved for backward. FSDP2 shards fp32 params, grads, Adam over
-    dp_shard (hybrid: replicated across dp_replicate) and gathers units in compute dtype."""
+    dp_shard (hybrid: replicated across dp_replicate) and gathers units in compute dtype.
+    A DDP-wrapped pipeline stage (dp > 1) accumulates its gradients outside the buckets:
+    the schedule runs every backward but the last under no_sync after zero_grad(set_to_none)
+    and the last one copies them in, so the buckets (4 Ψ) are a second copy meanwhile."""
     s = cfg.strategy
     if s.data_parallel != "fsdp":
-        return 4.0 * psi, 4.0 * psi, ADAM * psi, (e * psi if e < 4 else 0.0), 0.0, 1
+        casts = e * psi if e < 4 else 0.0
+        no_sync = 4.0 * psi if layout.pp > 1 and layout.dp > 1 and s.pp_microbatches > 1 else 0.0
+        return 4.0 * psi, 4.0 * psi, ADAM * psi, casts + no_sync, 0.0, 1
     d = layout.dp_shard
     p, g, o = 4.0 * psi / d, 4.0 * psi / d, ADAM * psi / d
     # Live at the activation peak (start of backward): the root unit, which FSDP2 keeps

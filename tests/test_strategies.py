@@ -54,6 +54,7 @@ CASES = [
     ("pp", (1, 2), []),  # 1F1B, 4 micro-batches
     ("pp", (1, 2), ["strategy.pp_schedule=gpipe", "train.grad_accum=2"]),
     ("pp", (1, 4), []),  # pp 2 x DDP 2
+    ("pp", (1, 4), ["strategy.pp_schedule=gpipe"]),  # pp 2 x DDP 2, every forward before the backwards
     ("pp", (1, 2), ["strategy.pp_schedule=interleaved_1f1b", "model.n_layers=4"]),  # 4 stages on 2 ranks
     ("pp", (1, 4), ["strategy.pipeline_parallel=4", "strategy.data_parallel=none", "model.n_layers=4"]),
     ("pp_fsdp_tp", (1, 4), ["strategy.activation_checkpointing=full"]),  # pp 2 x tp 2

@@ -114,7 +114,8 @@ class PipelineEngine:
         amp = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
                else contextlib.nullcontext())
         with amp:
-            self.schedule.step(*args, target=targets if self.last else None, losses=losses if self.last else None)
+            self.schedule.step(*args, target=targets if self.last else None, losses=losses if self.last else None,
+                               return_outputs=False)  # the loss comes from losses; keeping every logits costs memory
         if self.last:
             loss = torch.stack([x.detach().float() for x in losses]).mean()
         else:
@@ -186,7 +187,11 @@ def build_pipeline(model: Transformer, cfg: RunConfig, layout: Layout, ctx: Dist
         part.init_weights(cfg.train.seed, ctx.device)
         if s.data_parallel == "ddp" and layout.dp > 1:
             device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-            part = DDP(part, device_ids=device_ids, gradient_as_bucket_view=True,
+            # find_unused_parameters: no bucket rebuild after the first step. Its record of the
+            # order gradients became ready took every microbatch's backward (GPipe, or m <= pp:
+            # "rebuilt parameter indices size ... 10 versus 20", torch 2.13); PipelineStage runs
+            # all but the last under no_sync and prepares the reducer for the last itself.
+            part = DDP(part, device_ids=device_ids, gradient_as_bucket_view=True, find_unused_parameters=True,
                        process_group=data_parallel_mesh(mesh).get_group())
         parts.append(part)
         optimizers.append(build_adamw(part, cfg.optim, ctx.device))
