@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from train.checkpoint import CorruptCheckpoint, _crc32, _verifying_reader
+from train.checkpoint import CorruptCheckpoint, _crc32, _verifying_reader, tensor_record
 
 
 def _state() -> dict:
@@ -75,3 +75,28 @@ def _corrupt(exc: CheckpointException) -> str:
     (cause, _), = exc.failures.values()
     assert isinstance(cause, CorruptCheckpoint), repr(cause)
     return str(cause)
+
+
+def test_tensor_record_finds_the_bytes_torch_load_finds(tmp_path):
+    """The front-to-back walk of a torch.save record gives the layout and the offset that
+    torch.load(map_location="meta") reads from the central directory; other objects: None."""
+    import io
+
+    gen = torch.Generator().manual_seed(1)
+    cases = [torch.randn(33, 7, generator=gen), torch.randn(5, generator=gen).bfloat16(), torch.tensor(3),
+             torch.arange(12).reshape(3, 4).t(), torch.zeros(0), torch.randn(4, 4, generator=gen)[1:]]
+    for tensor in cases:
+        buf = io.BytesIO()
+        torch.save(tensor, buf)
+        blob = buf.getvalue()
+        meta = torch.load(io.BytesIO(blob), map_location="meta", weights_only=True)
+        dtype, shape, stride, offset, nbytes, start = tensor_record(blob)
+        assert (dtype, shape, stride, offset) == (tensor.dtype, tuple(tensor.shape), tensor.stride(),
+                                                  tensor.storage_offset())
+        assert start == meta.untyped_storage()._checkpoint_offset
+        assert nbytes == tensor.untyped_storage().nbytes()
+        assert blob[start:start + nbytes] == bytes(tensor.untyped_storage())
+    for other in (0.5, [1, 2], {"a": torch.ones(2)}):
+        buf = io.BytesIO()
+        torch.save(other, buf)
+        assert tensor_record(buf.getvalue()) is None

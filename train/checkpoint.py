@@ -22,13 +22,17 @@ corrupt or truncated one is reported and skipped.
 """
 from __future__ import annotations
 
+import collections
 import functools
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import signal
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -405,6 +409,67 @@ class Checkpointer:
         return None
 
 
+def _rebuild_layout(storage, offset, size, stride, *_):
+    return storage, offset, tuple(size), tuple(stride)
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Unpickles a ``torch.save``d tensor's data.pkl into its layout only: (storage id,
+    offset, shape, stride). Any other object is refused (the caller then loads it
+    with ``torch.load``)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_layout
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage") and hasattr(getattr(torch, name, None), "dtype"):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"not a plain tensor: {module}.{name}")
+
+    def persistent_load(self, pid):
+        return pid  # ("storage", storage type, key, location, numel)
+
+
+_LOCAL, _DESCRIPTOR = b"PK\x03\x04", b"PK\x07\x08"
+
+
+def tensor_record(head: bytes) -> Optional[Tuple[torch.dtype, tuple, tuple, int, int, int]]:
+    """(dtype, shape, stride, storage offset, storage bytes, offset of the storage's bytes)
+    of the tensor ``torch.save`` wrote at the start of ``head``, found by walking the zip's
+    local headers front to back (torch writes sizes into data descriptors after each
+    record, so a record ends where its descriptor with its own size begins; data.pkl ends
+    where the pickle stops); None for anything else. ``torch.load(map_location="meta")``
+    finds the same offset from the central directory at the end of the record (tested)."""
+    pos, layout = 0, None
+    while head[pos:pos + 4] == _LOCAL and pos + 30 <= len(head):
+        nlen, elen = struct.unpack_from("<HH", head, pos + 26)
+        name = head[pos + 30:pos + 30 + nlen].decode("utf-8", "replace").split("/", 1)[-1]
+        data = pos + 30 + nlen + elen
+        if name == "data.pkl":
+            stream = io.BytesIO(memoryview(head)[data:])
+            try:
+                layout = _LayoutUnpickler(stream).load()
+            except Exception:
+                return None
+            end = data + stream.tell()
+        elif layout is not None and name.startswith("data/"):
+            if not (isinstance(layout, tuple) and len(layout) == 4 and isinstance(layout[0], tuple)
+                    and len(layout[0]) == 5 and layout[0][0] == "storage" and name == f"data/{layout[0][2]}"):
+                return None
+            (_, kind, _, _, numel), offset, shape, stride = layout
+            dtype = kind.dtype
+            return dtype, shape, stride, offset, numel * dtype.itemsize, data
+        else:  # a small record: its descriptor follows within a few bytes
+            end = head.find(_DESCRIPTOR, data, data + 4096)
+            if end < 0:
+                return None
+        if head[end:end + 4] != _DESCRIPTOR or struct.unpack_from("<I", head, end + 8)[0] != end - data:
+            return None
+        pos = end + 16
+    return None
+
+
 class CorruptCheckpoint(Exception):
     """A checkpoint file's bytes do not match its manifest entry."""
 
@@ -412,12 +477,10 @@ class CorruptCheckpoint(Exception):
 @functools.lru_cache(maxsize=None)
 def _verifying_reader():
     """The reader class (defined on first use: importing DCP takes seconds)."""
-    import io
 
     from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.planner import LoadItemType
-    from torch.distributed.checkpoint.utils import _create_file_view
     from torch.futures import Future
 
     class VerifyingReader(FileSystemReader):
@@ -440,7 +503,7 @@ def _verifying_reader():
                 per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
             # its own files first: the other ranks meanwhile bring theirs into the page cache
             order = sorted(per_file, key=lambda rel: (rel not in self.owned, rel))
-            for rel in order:  # read ahead (the records' headers are read before their data)
+            for rel in [r for r in order if r in self.owned]:  # read ahead: the headers come first
                 fd = os.open(Path(self.path) / rel, os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
                 os.close(fd)
@@ -511,24 +574,23 @@ def _verifying_reader():
                 raise CorruptCheckpoint(f"checksum mismatch in dcp/{rel}")
 
         def _destination(self, f, info, group: list, planner) -> Optional[Tuple[torch.Tensor, int]]:
-            """(destination, offset of the bytes in the record) if the item can be read
-            straight into its destination, else None."""
+            """(destination, offset of the tensor's bytes in its record) if the item can be
+            read straight into its destination, else None."""
             req = group[0]
             if len(group) > 1 or req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
                 return None
             target = planner.resolve_tensor(req).detach()
-            if target.device.type != "cpu" or not target.is_contiguous():
+            if target.device.type != "cpu" or not target.is_contiguous() or any(req.storage_offsets) \
+                    or tuple(req.lengths) != tuple(target.shape):
                 return None
-            saved = torch.load(_create_file_view(f, info.offset, info.length), map_location="meta",
-                               weights_only=True)
-            if not isinstance(saved, torch.Tensor):
+            record = tensor_record(os.pread(f.fileno(), min(info.length, 1 << 16), info.offset))
+            if record is None:
                 return None
-            start = getattr(saved.untyped_storage(), "_checkpoint_offset", None)
-            saved = narrow_tensor_by_index(saved, req.storage_offsets, req.lengths)
-            if start is None or saved.dtype != target.dtype or saved.size() != target.size() \
-                    or not saved.is_contiguous():
+            dtype, shape, stride, offset, nbytes, start = record
+            if dtype != target.dtype or shape != tuple(target.shape) or stride != target.stride() or offset \
+                    or nbytes != target.numel() * target.element_size():
                 return None
-            return target, start + saved.storage_offset() * saved.element_size()
+            return target, start
 
         def _load_item(self, req, info, stream, planner) -> None:
             """One item DCP's way (filesystem.FileSystemReader.read_data) from its record."""
