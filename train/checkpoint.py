@@ -457,9 +457,12 @@ def tensor_record(head: bytes) -> Optional[Tuple[torch.dtype, tuple, tuple, int,
             if not (isinstance(layout, tuple) and len(layout) == 4 and isinstance(layout[0], tuple)
                     and len(layout[0]) == 5 and layout[0][0] == "storage" and name == f"data/{layout[0][2]}"):
                 return None
-            (_, kind, _, _, numel), offset, shape, stride = layout
-            dtype = kind.dtype
-            return dtype, shape, stride, offset, numel * dtype.itemsize, data
+            try:
+                (_, kind, _, _, numel), offset, shape, stride = layout
+                dtype, nbytes = kind.dtype, int(numel) * kind.dtype.itemsize
+            except (AttributeError, TypeError, ValueError):
+                return None
+            return (dtype, shape, stride, offset, nbytes, data) if isinstance(dtype, torch.dtype) else None
         else:  # a small record: its descriptor follows within a few bytes
             end = head.find(_DESCRIPTOR, data, data + 4096)
             if end < 0:
@@ -489,8 +492,8 @@ def _verifying_reader():
         and checksummed on the way, and a tensor whose destination is a contiguous CPU
         tensor of its dtype and shape is read straight into it (DCP's reader
         ``torch.load``s each into a new tensor, then copies it). The saved tensor's
-        layout and the offset of its bytes come from ``torch.load(map_location="meta")``,
-        which reads the record's pickle but not its data. Any other item goes DCP's way."""
+        layout and the offset of its bytes come from the head of its record
+        (``tensor_record``). Any other item goes DCP's way."""
 
         def __init__(self, path: Path, owned: Dict[str, List[int]]) -> None:
             super().__init__(str(path))
