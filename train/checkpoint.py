@@ -200,6 +200,10 @@ class Checkpointer:
 
     def __post_init__(self) -> None:
         self._pending: Optional[Tuple[Any, Path, Path, int]] = None  # future, tmp, final, step
+        # An async save not yet waited for. Unlike _pending (cleared by whichever rank's
+        # poll() sees its write done first) it is the same on every rank, so wait() can
+        # decide on it whether to enter its barrier.
+        self._unwaited = False
         self._committer: Optional[threading.Thread] = None
         self._async_group = None
         self._stager = None
@@ -238,6 +242,7 @@ class Checkpointer:
                                       process_group=self._async_group, async_stager=self._async_stager())
             self._staging = response.staging_completion
             self._pending = (response.upload_completion, tmp, final, step)
+            self._unwaited = True
             self.last_save_s = time.perf_counter() - t0  # the stall, with staging_wait_s
             return final
         if hasattr(engine, "ds"):  # DeepSpeed writes its own sharded files; read back below
@@ -310,11 +315,13 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until a pending async save is written and committed (collective)."""
-        if self._pending is not None:
+        if self._unwaited:
             self.wait_staged()
-            self._pending[0].result()
-            self.poll()
+            if self._pending is not None:
+                self._pending[0].result()
+                self.poll()
             dist.barrier()
+            self._unwaited = False
         if self._committer is not None:
             self._committer.join()
             self._committer = None
