@@ -513,7 +513,7 @@ def _verifying_reader():
                 per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
             # its own files first: the other ranks meanwhile bring theirs into the page cache
             order = sorted(per_file, key=lambda rel: (rel not in self.owned, rel))
-            for rel in [r for r in order if r in self.owned]:  # read ahead: the headers come first
+            for rel in [r for r in order if r in self.owned]:  # the kernel reads ahead the whole file
                 fd = os.open(Path(self.path) / rel, os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
                 os.close(fd)
