@@ -115,7 +115,7 @@ class PipelineEngine:
                else contextlib.nullcontext())
         with amp:
             self.schedule.step(*args, target=targets if self.last else None, losses=losses if self.last else None,
-                               return_outputs=False)  # the loss comes from losses; keeping every logits costs memory
+                               return_outputs=False)  # the loss comes from losses; keeping each micro-batch's logits costs memory
         if self.last:
             loss = torch.stack([x.detach().float() for x in losses]).mean()
         else:
