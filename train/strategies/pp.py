@@ -113,9 +113,9 @@ class PipelineEngine:
         args = (inputs,) if self.first else ()
         amp = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
                else contextlib.nullcontext())
-        with amp:
+        with amp:  # return_outputs=False: the loss comes from losses; each micro-batch's logits are not kept
             self.schedule.step(*args, target=targets if self.last else None, losses=losses if self.last else None,
-                               return_outputs=False)  # the loss comes from losses; keeping each micro-batch's logits costs memory
+                               return_outputs=False)
         if self.last:
             loss = torch.stack([x.detach().float() for x in losses]).mean()
         else:
