@@ -50,14 +50,17 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
     path = token_file(cfg.data, cfg.model.vocab_size)  # rank 0..N race safely on a file lock
     loader = ShardedLoader(path, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.micro_batch_size,
                            cfg.train.grad_accum, dp_rank, layout.dp, seed=cfg.data.seed)
-    engine = parallelize(build_model(cfg.model, "meta"), cfg, layout, ctx)
+    def build():
+        return parallelize(build_model(cfg.model, "meta"), cfg, layout, ctx)
+
+    engine = build()
     log(f"rank {ctx.rank} coords {coords} device {ctx.device} backend {ctx.backend}")
     restored = ckpt.load_latest(engine, log)
     if restored is None and ckpt.engine_dirty:  # a rejected checkpoint was partly read into it
         log("no checkpoint loaded: building the model again (a rejected one was partly read into it)")
-        engine = None
+        engine = None  # freed before its replacement is built
         torch.manual_seed(cfg.train.seed)  # the global RNG as at a fresh start (weights: own generators)
-        engine = parallelize(build_model(cfg.model, "meta"), cfg, layout, ctx)
+        engine = build()
     if restored is not None:
         loader.load_state_dict(restored["loader"])
         log(f"resumed from step {restored['step']} (segment {segment})")
