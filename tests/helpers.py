@@ -38,3 +38,39 @@ def assert_committed(root) -> None:
         listed = set(json.loads((ckpt / MANIFEST).read_text())["files"])
         on_disk = {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST}
         assert listed == on_disk, (ckpt, listed ^ on_disk)
+
+
+def dcp_state(ckpt, out) -> dict:
+    """Every leaf of a checkpoint's DCP state (tensors whole, however they were sharded,
+    and plain values such as the optimizer's learning rate), by flattened name; loaded
+    without ranks through ``out``, a scratch file."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt / "dcp"), str(out))
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(f"{prefix}.{i}", item)
+        else:
+            flat[prefix] = value
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+def assert_same_state(ckpt, other, scratch) -> None:
+    """Two checkpoints hold the same state: every tensor equal bitwise, every value equal."""
+    import torch
+
+    ours, theirs = dcp_state(ckpt, scratch / "a.pt"), dcp_state(other, scratch / "b.pt")
+    assert ours.keys() == theirs.keys(), sorted(ours.keys() ^ theirs.keys())[:5]
+    assert sum(isinstance(v, torch.Tensor) for v in ours.values()) > 10
+    for key, value in ours.items():
+        same = torch.equal(value, theirs[key]) if isinstance(value, torch.Tensor) else value == theirs[key]
+        assert same, (ckpt, key)

@@ -9,10 +9,9 @@ import sys
 import time
 
 import pytest
-import torch
 
 from conftest import REPO, launcher, run_dir_of
-from helpers import assert_committed
+from helpers import assert_committed, assert_same_state
 from train.checkpoint import find_latest, verify
 from train.rundir import read_metrics, read_run_json
 
@@ -135,7 +134,9 @@ def test_signal_interrupts_and_rerun_resumes(tmp_path, reference):
 
 
 def test_async_save_commits_and_does_not_change_training(tmp_path, reference):
-    proc = launcher(BASE + ["checkpoint.async_save=true"], cwd=tmp_path)
+    # The checkpoint thread lags: the training thread reaches the next optimizer step
+    # before the snapshot is taken, and goes on past it before the snapshot is written.
+    proc = launcher(BASE + ["checkpoint.async_save=true", "fault.slow_async_save_s=0.5"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = run_dir_of(proc.stdout)
     root = run_dir / "checkpoints"
@@ -145,28 +146,7 @@ def test_async_save_commits_and_does_not_change_training(tmp_path, reference):
     # The snapshot is copied in the background while the next step trains: it must be the
     # state of the step saved, equal to the blocking save's, tensor for tensor.
     for step in ("step_00000004", "step_00000008"):
-        ours, theirs = dcp_tensors(root / step, tmp_path / "a.pt"), dcp_tensors(reference / "checkpoints" / step,
-                                                                                tmp_path / "b.pt")
-        assert ours.keys() == theirs.keys() and len(ours) > 10
-        assert all(torch.equal(ours[k], theirs[k]) for k in ours), step
-
-
-def dcp_tensors(ckpt, out):
-    """Every tensor of a checkpoint's DCP state, by flattened name (loaded without ranks)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(str(ckpt / "dcp"), str(out))
-    flat = {}
-
-    def walk(prefix, value):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}.{key}", item)
-        elif isinstance(value, torch.Tensor):
-            flat[prefix] = value
-
-    walk("", torch.load(out, weights_only=False))
-    return flat
+        assert_same_state(root / step, reference / "checkpoints" / step, tmp_path)
 
 
 def test_checkpoint_on_demand(tmp_path):

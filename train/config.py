@@ -214,6 +214,10 @@ class FaultConfig:
     hang_rank: int = -1
     hang_at_step: int = 0
     hang_s: float = 3600.0
+    # The checkpoint thread of an async save sleeps this long before its snapshot and
+    # again before its write, so the training thread runs ahead of it (tests: what is
+    # saved must still be the state of the step saved).
+    slow_async_save_s: float = 0.0
 
 
 @dataclass

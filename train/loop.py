@@ -61,6 +61,8 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
         engine = None  # freed before its replacement is built
         torch.manual_seed(cfg.train.seed)  # the global RNG as at a fresh start (weights: own generators)
         engine = build()
+    if cfg.checkpoint.async_save:
+        ckpt.prepare_async(engine)
     if restored is not None:
         loader.load_state_dict(restored["loader"])
         log(f"resumed from step {restored['step']} (segment {segment})")

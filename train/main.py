@@ -79,7 +79,8 @@ def run(run_dir: str | Path) -> int:
     if cfg.train.preflight:  # on outlier nodes with preflight_exclude: records them, raises PreflightError
         from train.preflight import run_preflight
         run_preflight(ctx, run_dir, cfg.train.preflight_outlier, cfg.train.preflight_exclude, log.info)
-    ckpt = Checkpointer(run_dir / "checkpoints", ctx.rank, keep=cfg.checkpoint.keep)
+    ckpt = Checkpointer(run_dir / "checkpoints", ctx.rank, keep=cfg.checkpoint.keep,
+                        slow_async_s=cfg.fault.slow_async_save_s)
 
     def on_hang(report: dict) -> None:
         update_run_json(run_dir, status="failed", failure="hang", ended_at=time.time(),
