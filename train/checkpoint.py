@@ -443,6 +443,11 @@ def _rebuild_layout(storage, offset, size, stride, *_):
     return storage, offset, tuple(size), tuple(stride)
 
 
+# "FloatStorage" -> torch.float32, ...: the storage classes' dtype without touching the
+# classes (TypedStorage.dtype warns that TypedStorage is deprecated)
+_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+
+
 class _LayoutUnpickler(pickle.Unpickler):
     """Unpickles a ``torch.save``d tensor's data.pkl into its layout only: (storage id,
     offset, shape, stride). Any other object is refused (the caller then loads it
@@ -453,8 +458,8 @@ class _LayoutUnpickler(pickle.Unpickler):
             return _rebuild_layout
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
-        if module == "torch" and name.endswith("Storage") and hasattr(getattr(torch, name, None), "dtype"):
-            return getattr(torch, name)
+        if module == "torch" and name in _STORAGE_DTYPES:  # torch.FloatStorage etc.: its dtype
+            return _STORAGE_DTYPES[name]
         raise pickle.UnpicklingError(f"not a plain tensor: {module}.{name}")
 
     def persistent_load(self, pid):
@@ -489,7 +494,7 @@ def tensor_record(head: bytes) -> Optional[Tuple[torch.dtype, tuple, tuple, int,
                 return None
             try:
                 (_, kind, _, _, numel), offset, shape, stride = layout
-                dtype, nbytes = kind.dtype, int(numel) * kind.dtype.itemsize
+                dtype, nbytes = kind, int(numel) * kind.itemsize
             except (AttributeError, TypeError, ValueError):
                 return None
             return (dtype, shape, stride, offset, nbytes, data) if isinstance(dtype, torch.dtype) else None
