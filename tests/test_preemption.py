@@ -127,6 +127,21 @@ def test_time_limit_is_a_timeout_and_the_cap_stops_it(tmp_path, slurm_cluster):
     assert read_run_json(run_dir)["segments"] == 3
 
 
+def test_a_failing_run_is_not_requeued(tmp_path, slurm_cluster):
+    """An exception (a bug, an OOM) ends the run as failed, with its checkpoints kept for
+    launcher.resume; the job is not requeued (it would fail again)."""
+    job, run_dir = submit(tmp_path, slurm_cluster, ["fault.raise_at_step=5", "checkpoint.every_steps=2"])
+    assert wait_until(lambda: final_status(run_dir), 120, "the run to end") == "failed"
+    wait_until(lambda: job_gone(job, slurm_cluster), 60, "the failed job to leave the queue")
+    time.sleep(8)  # longer than cred_expire: a requeued job would be back by now
+    assert job_gone(job, slurm_cluster)
+    assert wait_until(lambda: sacct_states(job, slurm_cluster), 60, "accounting to record the end") == ["FAILED"]
+    info = read_run_json(run_dir)
+    assert "fault.raise_at_step=5: injected failure" in info["error"]
+    assert info["segments"] == 1 and not info.get("preemptions") and not info.get("timeouts")
+    assert (run_dir / "checkpoints" / "step_00000004").is_dir()  # committed work kept
+
+
 def test_scancel_saves_but_never_requeues(tmp_path, slurm_cluster):
     job, run_dir = submit(tmp_path, slurm_cluster, ["fault.step_delay_s=0.4", "train.steps=200"])
     wait_until(lambda: steps_logged(run_dir) >= 3, 120, "3 steps")

@@ -214,6 +214,9 @@ class FaultConfig:
     hang_rank: int = -1
     hang_at_step: int = 0
     hang_s: float = 3600.0
+    # Every rank raises RuntimeError at this step (after its backward, before the step's
+    # collective), as a bug or an out-of-memory error would: a failing run; 0 = off.
+    raise_at_step: int = 0
     # The checkpoint thread of an async save sleeps this long before its snapshot and
     # again before its write, so the training thread runs ahead of it (tests: what is
     # saved must still be the state of the step saved).

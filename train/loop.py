@@ -106,6 +106,8 @@ def _steps(cfg: RunConfig, ctx: DistContext, run_dir: Path, segment: int, log, f
         local = torch.tensor([loss.item(), grad_norm.item(), peak_memory_bytes(ctx.device), flag.code,
                               float(minutes_due)], dtype=torch.float64, device=loss.device)
         gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
+        if step + 1 == cfg.fault.raise_at_step:
+            raise RuntimeError(f"fault.raise_at_step={step + 1}: injected failure")
         if ctx.rank == cfg.fault.hang_rank and step + 1 == cfg.fault.hang_at_step:
             watchdog.phase("fault: sleeping before the collective", step)
             time.sleep(cfg.fault.hang_s)
