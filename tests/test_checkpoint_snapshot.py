@@ -41,11 +41,44 @@ def test_snapshot_is_a_copy_and_reuses_its_buffers():
     assert snap.take(live)["model"]["w"].shape == (2, 2)
 
 
+@pytest.fixture
+def one_rank():
+    """A 1-rank process group (DTensors need one); destroyed afterwards."""
+    import torch.distributed as dist
+
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def sharded(device: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh(device, (1,))
+    return distribute_tensor(torch.randn(8, 4, device=device), mesh, [Shard(0)])
+
+
+def test_snapshot_of_a_dtensor_keeps_its_sharding(one_rank):
+    from torch.distributed.tensor import DTensor
+
+    live = {"w": sharded("cpu")}
+    taken = _Snapshot().take(live)["w"]
+    assert isinstance(taken, DTensor) and taken.placements == live["w"].placements
+    assert taken.device_mesh == live["w"].device_mesh and taken.shape == live["w"].shape
+    assert torch.equal(taken.to_local(), live["w"].to_local())
+    assert taken.to_local().data_ptr() != live["w"].to_local().data_ptr()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_snapshot_of_gpu_tensors_lands_in_pinned_host_memory():
-    live = {"w": torch.randn(256, 256, device="cuda"), "b": torch.randn(7), "h": torch.ones(3, device="cuda").half()}
+def test_snapshot_of_gpu_tensors_lands_in_pinned_host_memory(one_rank):
+    live = {"w": torch.randn(256, 256, device="cuda"), "b": torch.randn(7), "h": torch.ones(3, device="cuda").half(),
+            "d": sharded("cuda")}
     taken = _Snapshot().take(live)
-    for key, value in live.items():
-        assert taken[key].device.type == "cpu" and torch.equal(taken[key], value.cpu())
+    for key in ("w", "b", "h"):
+        assert taken[key].device.type == "cpu" and torch.equal(taken[key], live[key].cpu())
     assert taken["w"].is_pinned() and not taken["b"].is_pinned()
+    local = taken["d"].to_local()  # the shard's host copy: not moved back to the GPU
+    assert local.device.type == "cpu" and local.is_pinned() and torch.equal(local, live["d"].to_local().cpu())

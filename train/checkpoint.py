@@ -786,9 +786,9 @@ class _Snapshot:
             if isinstance(value, (list, tuple)):
                 return type(value)(snap(key + (i,), v) for i, v in enumerate(value))
             if isinstance(value, DTensor):
-                local = snap(key, value.to_local())
-                return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                          shape=value.shape, stride=value.stride())
+                # The host copy of the shard, with the same sharding spec. Not from_local: it
+                # would move the copy back to the mesh's device (a GPU).
+                return DTensor(snap(key, value.to_local()), value._spec, requires_grad=False)
             if isinstance(value, torch.Tensor):
                 buf = self._buffer(key, value)
                 dsts, srcs = copies.setdefault(value.device, ([], []))
