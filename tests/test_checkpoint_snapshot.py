@@ -3,17 +3,23 @@ host buffers that the next save reuses. DTensor shards and the order against the
 optimizer step: tests/test_checkpoint.py and tests/test_resume_strategies.py."""
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
 from train.checkpoint import _Snapshot
 
 
+Pair = collections.namedtuple("Pair", "tensor count")
+
+
 def state():
     w = torch.randn(4, 6)
     return {"model": {"w": w, "wt": w.t(), "half": torch.arange(5, dtype=torch.bfloat16)},
             "optim": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4, 6)}},
-                      "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": ["w"]}]}}
+                      "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": ["w"]}]},
+            "extra": Pair(torch.ones(2), 7)}
 
 
 def test_snapshot_is_a_copy_and_reuses_its_buffers():
@@ -22,6 +28,8 @@ def test_snapshot_is_a_copy_and_reuses_its_buffers():
     first = snap.take(live)
     assert first["optim"]["param_groups"] == live["optim"]["param_groups"]
     assert isinstance(first["optim"]["param_groups"][0]["betas"], tuple)
+    assert isinstance(first["extra"], Pair) and first["extra"].count == 7 and torch.equal(first["extra"].tensor,
+                                                                                           live["extra"].tensor)
     for key in ("w", "wt", "half"):
         assert torch.equal(first["model"][key], live["model"][key]) and first["model"][key].dtype == live["model"][key].dtype
         assert first["model"][key].data_ptr() != live["model"][key].data_ptr()

@@ -784,7 +784,8 @@ class _Snapshot:
             if isinstance(value, dict):
                 return {k: snap(key + (k,), v) for k, v in value.items()}
             if isinstance(value, (list, tuple)):
-                return type(value)(snap(key + (i,), v) for i, v in enumerate(value))
+                items = [snap(key + (i,), v) for i, v in enumerate(value)]
+                return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuple
             if isinstance(value, DTensor):
                 # The host copy of the shard, with the same sharding spec. Not from_local: it
                 # would move the copy back to the mesh's device (a GPU).
