@@ -289,6 +289,18 @@ class Checkpointer:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
             self._snapshot = _Snapshot()
 
+    def reserve_async(self, engine) -> Optional[Future]:
+        """Have the checkpoint thread allocate (and fault in) the snapshot's host buffers
+        now, in the background, so that the first async save finds them: the first copy
+        into new buffers took 2.2 s for 1270 MB on this VM, against 0.1-0.3 s into reused
+        ones, and page-locked memory on a GPU host is slower to allocate still. The loop
+        calls it after its first step (the optimizer state exists then). The copy it makes
+        is thrown away, so reading the state while the training thread updates it does
+        no harm. Not collective; None if there is nothing to do."""
+        if self._worker is None or self._snapshot.reserved:
+            return None
+        return self._worker.submit(self._snapshot.take, _AppState(engine).state_dict())
+
     def _write_async(self, state: Dict[str, Any], staged: Future, writer) -> None:
         """The worker thread: snapshot ``state`` (then the optimizers may step), write it."""
         import torch.distributed.checkpoint as dcp
@@ -766,6 +778,10 @@ class _Snapshot:
 
     def __init__(self) -> None:
         self._buffers: Dict[tuple, torch.Tensor] = {}
+
+    @property
+    def reserved(self) -> bool:
+        return bool(self._buffers)
 
     def _buffer(self, key: tuple, src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)

@@ -88,7 +88,8 @@ def _steps(cfg: RunConfig, ctx: DistContext, run_dir: Path, segment: int, log, f
     n_gpus = ctx.world_size if ctx.device.type == "cuda" or cfg.cluster.accelerator == "gpu" else 0
     peak = cfg.cluster.peak_tflops_bf16 if n_gpus else None
     watchdog.begin(loader.state.step)
-    for step in range(loader.state.step, cfg.train.steps):
+    first = loader.state.step
+    for step in range(first, cfg.train.steps):
         if cfg.train.gc_every_steps > 0 and step % cfg.train.gc_every_steps == 0:
             gc.collect(1)
         t0 = time.perf_counter()
@@ -151,6 +152,8 @@ def _steps(cfg: RunConfig, ctx: DistContext, run_dir: Path, segment: int, log, f
                 ckpt.close()  # old checkpoints pruned before the job is requeued
                 return "interrupted"
         ckpt.poll()
+        if cfg.checkpoint.async_save and step == first and ckpt.reserve_async(engine):
+            log("host buffers for async saves: being allocated in the background")
         if cfg.fault.step_delay_s:
             time.sleep(cfg.fault.step_delay_s)
     ckpt.close()
