@@ -1,7 +1,10 @@
 """``python -m train RUN_DIR``: one rank of a job (also under torchrun or alone)."""
 import sys
 
-from train.main import main
+from train.preempt import PreemptionFlag
 
 if __name__ == "__main__":
-    sys.exit(main())
+    flag = PreemptionFlag().install()  # before the slow imports: see train.job
+    from train.main import main
+
+    sys.exit(main(flag=flag))

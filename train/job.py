@@ -12,6 +12,13 @@ class TrainJob:
     run_dir: str
 
     def __call__(self) -> int:
+        from train.preempt import PreemptionFlag
+
+        # Before the slow imports (torch: seconds): a USR2 that comes now (Slurm may send
+        # --signal's up to 60 s early, or the job is preempted as it starts) sets the flag,
+        # rather than meeting submitit's handler ("timed-out and not checkpointable": the
+        # job ended, never requeued) or, outside submitit, killing the process.
+        flag = PreemptionFlag().install()
         from train.main import run
 
-        return run(self.run_dir)
+        return run(self.run_dir, flag)

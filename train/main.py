@@ -38,10 +38,12 @@ def _logger(run_dir: Path, rank: int) -> logging.Logger:
     return log
 
 
-def run(run_dir: str | Path) -> int:
+def run(run_dir: str | Path, flag: PreemptionFlag | None = None) -> int:
     """Join the job's process group, train, record the outcome in run.json. Returns 0."""
     # First: a signal during the slow imports and rendezvous must set the flag, not kill.
-    flag = PreemptionFlag().install()  # replaces submitit's USR2 handler: one path
+    # The entry points (train.job, python -m train) install it before importing this module.
+    if flag is None:
+        flag = PreemptionFlag().install()  # replaces submitit's USR2 handler: one path
 
     import torch
     import torch.distributed as dist
@@ -151,7 +153,7 @@ def after_interruption(cfg, run_dir: Path, info: dict, log, flag: PreemptionFlag
             update_run_json(run_dir, status="interrupted", requeue_error=error)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, flag: PreemptionFlag | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print("usage: python -m train RUN_DIR   (RUN_DIR holds config.yaml, written by the launcher)\n"
@@ -162,4 +164,4 @@ def main(argv: list[str] | None = None) -> int:
               f"launcher.dry_run=true` or pass a run directory", file=sys.stderr)
         return 2
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return run(argv[0])
+    return run(argv[0], flag)
