@@ -2,9 +2,8 @@
 and acted on at the first step boundary: checkpoint, counted, stopped cleanly. Slurm may
 send ``--signal``'s signal up to 60 s early (sbatch(1)), and a job can be preempted as it
 starts. Before the flag was installed first, the signal met submitit's handler (the job
-ended "timed-out and not checkpointable", never requeued: seen in a
-fresh-clone `make test`) or, outside
-submitit, its default action killed the rank."""
+ended "timed-out and not checkpointable", never requeued: seen in a fresh-clone `make
+test`) or, outside submitit, its default action killed the rank."""
 from __future__ import annotations
 
 import os
