@@ -394,7 +394,7 @@ def checkpoint_cost(args) -> None:
           f"slowest rank): call {res['call']:.3f} s + first optimizer step waiting for the snapshot "
           f"{res['staging']:.3f} s")
     print(f"                   first async save of the process {res['first_stall']:.3f} s (host buffers reserved "
-          f"after the first step, as the loop does)")
+          f"beforehand, as the loop has them reserved after its first step)")
     print(f"  async write      {res['write']:.3f} s   save -> committed, while 3 steps trained; each step "
           f"{res['slow'] * 1000:+.0f} ms vs {res['base_step'] * 1000:.0f} ms alone (the writer shares the 2 cores)")
     print(f"  restore (cold)   {res['restore']:.3f} s   {restore_bw:7.0f} MB/s (verify checksums + DCP load)")
