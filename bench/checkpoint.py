@@ -63,7 +63,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from train.rundir import read_metrics, read_run_json  # noqa: E402  (standard library only)
+from spec.rundir import read_metrics, read_run_json  # noqa: E402  (standard library only)
 
 
 def dir_bytes(path: Path) -> int:
@@ -129,10 +129,10 @@ def worker(rank: int, world: int, port: int, work: str, dim: int, layers: int, r
     import torch
     import torch.distributed as dist
 
-    from train.checkpoint import Checkpointer
-    from train.config import RunConfig
-    from train.dist import init_distributed, shutdown
-    from train.layout import build_layout
+    from train.checkpoint.manager import Checkpointer
+    from spec.config import RunConfig
+    from train.harness.dist import init_distributed, shutdown
+    from spec.layout import build_layout
     from train.model import build_model
     from train.parallelize import parallelize
 

@@ -48,8 +48,8 @@ def zero_formula(stage: int, n: int) -> float:
 def main() -> None:
     from test_memory import EXPECTED  # the engine models the tests check
 
-    from launcher.plan import compose
-    from train.layout import build_layout
+    from launcher.plan.cli import compose
+    from spec.layout import build_layout
     from train.model import build_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

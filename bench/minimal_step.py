@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from slurm.env import slurm_task_env
-from train.config import ModelConfig
+from spec.config import ModelConfig
 from train.model import build_model
 
 

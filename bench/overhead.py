@@ -85,7 +85,7 @@ def torchrun(argv: list[str], env: dict, log: Path) -> None:
 def ours(strategy: str, args: argparse.Namespace, work: Path, env: dict, tag: str) -> dict:
     run_dir = make_run_dir(strategy, args, work, env, f"ours-{tag}", tuple(args.ours_override))
     torchrun(["-m", "train", str(run_dir)], env, work / f"ours-{tag}.out")
-    from train.rundir import read_metrics
+    from spec.rundir import read_metrics
 
     rows = {r["step"]: r for r in read_metrics(run_dir)}
     if sorted(rows) != list(range(1, args.steps + 1)):
@@ -131,7 +131,7 @@ def bare_worker(strategy: str, config: str, result: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from train.config import to_run_config
+    from spec.config import to_run_config
     from train.model import build_model
 
     cfg = to_run_config(config)

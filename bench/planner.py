@@ -92,8 +92,8 @@ def rank_main(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
 
-    from train.dist import init_distributed, shutdown
-    from train.layout import build_layout
+    from train.harness.dist import init_distributed, shutdown
+    from spec.layout import build_layout
     from train.model import build_model
     from train.parallelize import parallelize
     from train.strategies import get_builder
@@ -182,7 +182,7 @@ def predicted_saved(cfg, layout, mem) -> float:
     token) and the block in flight. A pipeline: the most saved at once on the first or the
     last stage, the held micro-batches' blocks (and head, less its logits). Autocast's
     weight casts are saved too (a planner buffer; the heaviest stage's)."""
-    from launcher.memory import activation_terms, block_bytes, compute_bytes, pipeline_held, uses_autocast
+    from launcher.plan.memory import activation_terms, block_bytes, compute_bytes, pipeline_held, uses_autocast
 
     e, t, m, autocast = compute_bytes(cfg), cfg.train, cfg.model, uses_autocast(cfg)
     casts = e * mem.stage_params if autocast else 0.0
@@ -196,12 +196,12 @@ def predicted_saved(cfg, layout, mem) -> float:
 
 
 def main() -> None:
-    from launcher.memory import estimate
+    from launcher.plan.memory import estimate
     from launcher.overrides import group_options
-    from launcher.plan import compose
-    from train.config import ConfigError
-    from train.layout import build_layout
-    from train.strategies import check_supported
+    from launcher.plan.cli import compose
+    from spec.config import ConfigError
+    from spec.layout import build_layout
+    from spec.support import check_supported
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="2,4")

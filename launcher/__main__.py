@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 
 from launcher import app
 from launcher.overrides import check_overrides
-from launcher.rundir import register_resolvers
-from train.config import ConfigError, register_configs
+from launcher.provenance import register_resolvers
+from spec.config import ConfigError, register_configs
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -67,7 +67,7 @@ def main() -> None:
     wait = any(a.startswith("launcher.wait=") and a.split("=", 1)[1].lower() in ("true", "1", "yes")
                for a in args)
     if wait and state.submitted:
-        from launcher.progress import wait_sweep
+        from launcher.track.progress import wait_sweep
 
         state.exit_code = max(state.exit_code, wait_sweep(state.submitted[0][1].parent, poll_s=1.0))
     if state.skipped:

@@ -14,15 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-from launcher import local, registry, submit
-from launcher.plan import check_fits
-from launcher.rundir import write_provenance
-from launcher.summary import summary_lines
+from launcher import local, submit
+from launcher.track import registry
+from launcher.plan.cli import check_fits
+from launcher.provenance import write_provenance
+from launcher.track.summary import summary_lines
 from slurm import query
-from train.config import ConfigError, RunConfig, to_run_config, validate
-from train.layout import Layout, build_layout
-from train.rundir import CONFIG, read_run_json, update_run_json
-from train.strategies import check_supported
+from spec.config import ConfigError, RunConfig, to_run_config, validate
+from spec.layout import Layout, build_layout
+from spec.rundir import CONFIG, read_run_json, update_run_json
+from spec.support import check_supported
 
 
 @dataclass
@@ -61,7 +62,7 @@ _YAML_SECTIONS: Dict[Tuple[str, str], str] = {}
 
 
 def config_yaml(cfg: RunConfig) -> str:
-    """``train.config.to_yaml(cfg)``, the same text (tested), ~10x faster: the dataclasses
+    """``spec.config.to_yaml(cfg)``, the same text (tested), ~10x faster: the dataclasses
     go straight to OmegaConf's YAML dumper without a structured DictConfig (the schema
     holds plain values, lists and dicts only), one top-level section at a time (a block
     mapping is the concatenation of its keys' blocks)."""
@@ -150,7 +151,7 @@ class Point:
 
 
 def note(run_dir: Path, multirun: bool, overrides: List[str], event: str, **fields) -> None:
-    """An event of a sweep's point in the sweep's registry (launcher.registry); none for single runs."""
+    """An event of a sweep's point in the sweep's registry (launcher.track.registry); none for single runs."""
     if multirun:
         registry.record(run_dir.parent, run_dir.name, event, overrides=overrides, run_dir=str(run_dir), **fields)
 

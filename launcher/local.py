@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import List
 
-from train.config import RunConfig
-from train.layout import Layout
+from spec.config import RunConfig
+from spec.layout import Layout
 
 
 def free_port() -> int:

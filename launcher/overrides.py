@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any, List
 
-from train.config import GROUPS, ConfigError, RunConfig
+from spec.config import GROUPS, ConfigError, RunConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 

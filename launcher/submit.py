@@ -4,7 +4,7 @@ One sweep point is one job (or one element of a job array of identical jobs, see
 :func:`submit_array`): ``nodes`` x ``gpus_per_node`` srun tasks, one per GPU (per CPU
 slot on CPU clusters). submitit writes the batch script, per-rank logs
 (``slurm/%j_%t_log.out``; ``%A_%a_%t`` for array elements) and the pickled
-:class:`train.job.TrainJob` under ``RUN_DIR/slurm``; the script used is copied to
+:class:`train.harness.job.TrainJob` under ``RUN_DIR/slurm``; the script used is copied to
 ``RUN_DIR/sbatch.sh``.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from slurm import query, sbatch
-from train.config import ConfigError, RunConfig
-from train.job import TrainJob
-from train.layout import Layout
+from spec.config import ConfigError, RunConfig
+from train.harness.job import TrainJob
+from spec.layout import Layout
 
 DEFAULT_LOCAL_DIR = "/tmp/localslurm"
 

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from launcher import app, submit
 from launcher.compose import compose_points
 from slurm import query
-from train.rundir import read_run_json
+from spec.rundir import read_run_json
 
 
 @dataclass

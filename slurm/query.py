@@ -113,7 +113,7 @@ def squeue(job_ids: Iterable[str], env: Optional[Dict[str, str]] = None) -> Dict
 def scancel(job_ids: Iterable[str], env: Optional[Dict[str, str]] = None) -> None:
     """Cancel many jobs for good: one ``scontrol update Requeue=0`` and one scancel call.
 
-    scancel's SIGTERM reaches the trainer's preemption path (train.preempt), which saves
+    scancel's SIGTERM reaches the trainer's preemption path (train.harness.preempt), which saves
     and runs ``scontrol requeue``; Slurm requeues even a cancelled batch job, so without
     disabling requeue first a cancelled point would come back and run to the end.
     """

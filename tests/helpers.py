@@ -5,8 +5,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from launcher.overrides import CONF_DIR
-from launcher.rundir import register_resolvers
-from train.config import RunConfig, register_configs, to_run_config
+from launcher.provenance import register_resolvers
+from spec.config import RunConfig, register_configs, to_run_config
 
 register_configs()
 register_resolvers()
@@ -29,7 +29,7 @@ def assert_committed(root) -> None:
     import json
     from pathlib import Path
 
-    from train.checkpoint import MANIFEST, verify
+    from train.checkpoint.manager import MANIFEST, verify
 
     steps = sorted(Path(root).glob("step_*"))
     assert steps, f"no committed checkpoint under {root}"

@@ -20,7 +20,7 @@ def _rank(rank: int, world: int, port: int, root: str) -> None:
 
     import torch.distributed as dist
 
-    from train.checkpoint import Checkpointer
+    from train.checkpoint.manager import Checkpointer
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     module = torch.nn.Linear(8, 8)

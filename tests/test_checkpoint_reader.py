@@ -1,4 +1,4 @@
-"""The one-pass DCP reader (train/checkpoint.py ``_verifying_reader``), in one process:
+"""The one-pass DCP reader (train/checkpoint/manager.py ``_verifying_reader``), in one process:
 the same tensors as DCP's own reader, read straight into their destination where it can,
 and a flipped byte in a file it owns is reported as corruption."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from train.checkpoint import CorruptCheckpoint, _crc32, _verifying_reader, tensor_record
+from train.checkpoint.manager import CorruptCheckpoint, _crc32, _verifying_reader, tensor_record
 
 
 def _state() -> dict:

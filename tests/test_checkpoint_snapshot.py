@@ -8,7 +8,7 @@ import collections
 import pytest
 import torch
 
-from train.checkpoint import _Snapshot
+from train.checkpoint.manager import _Snapshot
 
 
 Pair = collections.namedtuple("Pair", "tensor count")

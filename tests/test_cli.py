@@ -96,7 +96,7 @@ def test_rerun_never_doubles_a_queued_run(tmp_path, status):
     after a requeue included) submits nothing; a job that left the queue is started again."""
     from helpers import compose_run
     from launcher.app import already_done
-    from train.rundir import update_run_json
+    from spec.rundir import update_run_json
 
     cfg = compose_run(["+cluster=localslurm"])
     update_run_json(tmp_path, status=status, job_id="123")

@@ -6,8 +6,8 @@ import itertools
 import pytest
 from helpers import compose_run as _compose
 from launcher.overrides import group_options
-from train.config import ConfigError, ClusterConfig, ModelConfig, RunConfig, StrategyConfig
-from train.layout import build_layout
+from spec.config import ConfigError, ClusterConfig, ModelConfig, RunConfig, StrategyConfig
+from spec.layout import build_layout
 from train.model import build_model, count_params
 
 

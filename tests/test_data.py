@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from train.config import DataConfig
+from spec.config import DataConfig
 from train.data import ShardedLoader, token_file
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, launcher, run_dir_of
 from launcher.local import free_port
-from train.rundir import read_metrics, read_run_json
+from spec.rundir import read_metrics, read_run_json
 
 pytestmark = pytest.mark.slow
 COMMON = ["train.steps=5", "train.seq_len=32", "data.num_tokens=50000"]

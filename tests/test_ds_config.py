@@ -8,10 +8,10 @@ import sys
 import pytest
 from conftest import REPO
 from helpers import compose_run
-from train.config import ConfigError
-from train.layout import build_layout
-from train.strategies import check_supported
-from train.strategies.ds_config import DEFAULT_BUCKET, deepspeed_config
+from spec.config import ConfigError
+from spec.layout import build_layout
+from spec.support import check_supported
+from spec.ds_config import DEFAULT_BUCKET, deepspeed_config
 
 
 def _ds(overrides, dp=2, device="cpu"):
@@ -80,6 +80,6 @@ def test_shipped_strategies_are_supported(strategy):
 
 
 def test_config_module_imports_no_torch():
-    code = "import sys, train.strategies.ds_config, train.strategies; print('torch' in sys.modules)"
+    code = "import sys, spec.ds_config, spec.support, train.strategies; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import launcher, run_dir_of
 from helpers import strategy_options
-from train.rundir import read_metrics, read_run_json
+from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, launcher, run_dir_of
 from launcher.local import free_port
-from train.rundir import read_metrics, read_run_json
+from spec.rundir import read_metrics, read_run_json
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ class SignalOnTorch:
 sys.meta_path.insert(0, SignalOnTorch())
 entry, run_dir = sys.argv[1:]
 if entry == "job":  # what every Slurm task runs (submitit unpickles it and calls it)
-    from train.job import TrainJob
+    from train.harness.job import TrainJob
     sys.exit(TrainJob(run_dir)())
 sys.argv = ["train", run_dir]  # python -m train RUN_DIR (local runs, torchrun)
 runpy.run_module("train", run_name="__main__", alter_sys=True)

@@ -79,8 +79,8 @@ def _rank(rank: int, world: int, port: int, cfg, out: str) -> None:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from train.dist import init_distributed, shutdown
-    from train.layout import build_layout
+    from train.harness.dist import init_distributed, shutdown
+    from spec.layout import build_layout
     from train.model import build_model
     from train.parallelize import parallelize
     from train.strategies import get_builder
@@ -117,10 +117,10 @@ def measure(strategy: str, tmp_path, world: int = N) -> list:
 
 @pytest.mark.parametrize("strategy,ranks", CASES, ids=[f"{s}-{n}" for s, n in CASES])
 def test_model_state_bytes_per_rank(strategy, ranks, tmp_path):
-    """Against the formula above, and against the planner's prediction (launcher.memory,
+    """Against the formula above, and against the planner's prediction (launcher.plan.memory,
     what ``launcher.plan`` prints and the launcher's gate uses): both within 10%."""
-    from launcher.memory import estimate
-    from train.layout import build_layout
+    from launcher.plan.memory import estimate
+    from spec.layout import build_layout
 
     per_param = EXPECTED[strategy](ranks)
     cfg = compose_run([f"+strategy={strategy}", f"cluster.gpus_per_node={ranks}", *MODEL])

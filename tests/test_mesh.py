@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from helpers import compose_run
-from train.layout import AXES, build_layout
+from spec.layout import AXES, build_layout
 from train.mesh import build_mesh, data_parallel_mesh, dp_mesh
 
 # (nodes, gpus_per_node, strategy overrides): 64 .. 1024 ranks.

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from helpers import compose_run
-from train.dist import nccl_env_defaults
-from train.watchdog import dump_nccl_trace
+from train.harness.dist import nccl_env_defaults
+from train.harness.watchdog import dump_nccl_trace
 
 
 def test_defaults_are_set_when_unset(tmp_path):

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import REPO, launcher, run_dir_of
-from train.rundir import read_metrics, read_run_json
+from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 NODE_SH = str(REPO / "slurm" / "cluster" / "node.sh")

@@ -11,14 +11,14 @@ import pytest
 
 from conftest import REPO
 from helpers import compose_run
-from launcher.costmodel import (all_gather_bytes, all_reduce_bytes, bubble_fraction, candidates, link_gbps,
+from launcher.plan.costmodel import (all_gather_bytes, all_reduce_bytes, bubble_fraction, candidates, link_gbps,
                                 step_time)
-from launcher.memory import GB, block_bytes, estimate, stage_params, zero_paper_bytes
+from launcher.plan.memory import GB, block_bytes, estimate, stage_params, zero_paper_bytes
 from launcher.overrides import group_options
-from launcher.plan import check_fits
-from train.config import ConfigError, ModelConfig
-from train.layout import build_layout
-from train.model_size import count_params, ffn_hidden_dim, flops_per_token, param_breakdown
+from launcher.plan.cli import check_fits
+from spec.config import ConfigError, ModelConfig
+from spec.layout import build_layout
+from spec.model_size import count_params, ffn_hidden_dim, flops_per_token, param_breakdown
 
 LONG = ["train.seq_len=8192", "train.micro_batch_size=1"]
 CONTRACT = ("strategy", "params", "dp_degree", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
@@ -215,7 +215,7 @@ def test_bad_input_is_one_line_exit_2(args, expect):
 
 
 def test_planner_imports_no_torch():
-    code = "import sys, launcher.plan; print('torch' in sys.modules)"
+    code = "import sys, launcher.plan.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import launcher, run_dir_of
-from train.rundir import read_metrics, read_run_json
+from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 ARGS = ["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=2", "train.steps=24",

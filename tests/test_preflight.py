@@ -10,10 +10,10 @@ import torch.multiprocessing as mp
 
 from conftest import launcher, run_dir_of
 from launcher.local import free_port
-from launcher.resume import exclude_failed_nodes
-from train.config import RunConfig
-from train.preflight import PREFLIGHT_JSON, find_outliers
-from train.rundir import read_run_json
+from launcher.track.resume import exclude_failed_nodes
+from spec.config import RunConfig
+from train.harness.preflight import PREFLIGHT_JSON, find_outliers
+from spec.rundir import read_run_json
 
 
 def row(rank, host, gflops, gbps=10.0):
@@ -52,8 +52,8 @@ def _rank(rank: int, world: int, port: int, out: str, slow_rank: int) -> None:
                       GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from pathlib import Path
 
-    from train import preflight
-    from train.dist import init_distributed
+    from train.harness import preflight
+    from train.harness.dist import init_distributed
 
     if rank == slow_rank:  # a node whose compute is 1% of the others'
         measure = preflight.measure

@@ -11,10 +11,10 @@ import time
 import pytest
 
 from conftest import REPO
-from launcher import cancel, progress, registry, report, status
-from launcher.scaling import classify, efficiency, point_metrics, scaling_kind, series_labels, stitch
+from launcher.track import cancel, progress, registry, report, status
+from launcher.track.scaling import classify, efficiency, point_metrics, scaling_kind, series_labels, stitch
 from slurm import query
-from train.rundir import append_metrics, update_run_json
+from spec.rundir import append_metrics, update_run_json
 
 NAME = "sto-tiny-ddp"
 
@@ -269,7 +269,7 @@ def test_wait_sweep_returns_1_when_a_point_failed_and_writes_the_report(tmp_path
 
 
 def test_readers_import_no_torch():
-    for module in ("launcher.status", "launcher.report", "launcher.cancel", "launcher.progress"):
+    for module in ("launcher.track.status", "launcher.track.report", "launcher.track.cancel", "launcher.track.progress"):
         proc = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {module}"], capture_output=True,
                               text=True, cwd=REPO)
         assert proc.returncode == 0, proc.stderr

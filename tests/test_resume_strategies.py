@@ -11,7 +11,7 @@ import pytest
 
 from conftest import launcher
 from helpers import assert_committed, assert_same_state, strategy_options
-from train.rundir import read_metrics
+from spec.rundir import read_metrics
 
 pytestmark = pytest.mark.slow
 BASE = ["train.steps=12", "train.seq_len=32", "data.num_tokens=50000", "checkpoint.every_steps=4"]

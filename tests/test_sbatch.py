@@ -11,8 +11,8 @@ import pytest
 
 from launcher.submit import render_script, slurm_parameters
 from helpers import compose_run as _compose
-from train.config import validate
-from train.layout import build_layout
+from spec.config import validate
+from spec.layout import build_layout
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN_DIR = Path("/scratch/runs/demo run")   # a space: every path must be quoted

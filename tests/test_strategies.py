@@ -15,8 +15,8 @@ import pytest
 
 from conftest import REPO, launcher, run_dir_of
 from helpers import compose_run
-from train.layout import build_layout
-from train.rundir import read_metrics, read_run_json
+from spec.layout import build_layout
+from spec.rundir import read_metrics, read_run_json
 
 pytestmark = pytest.mark.slow
 GLOBAL_BATCH = 8

@@ -5,9 +5,9 @@ import re
 
 import pytest
 from helpers import compose_run
-from train.config import ConfigError
-from train.layout import build_layout
-from train.strategies import check_supported
+from spec.config import ConfigError
+from spec.layout import build_layout
+from spec.support import check_supported
 
 
 @pytest.mark.parametrize("overrides,message", [

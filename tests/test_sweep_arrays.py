@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, launcher
-from train.rundir import read_metrics, read_run_json
+from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -66,7 +66,7 @@ def test_identical_points_are_one_array_and_requeueing_one_element_leaves_the_ot
     assert [d.name for _, d in points] == ["0", "1", "2"]
 
     # One element's own SLURM_JOB_ID is the array's id: `scontrol requeue <that id>` would
-    # requeue every element. The trainer must requeue "ARRAY_TASK" (train.preempt).
+    # requeue every element. The trainer must requeue "ARRAY_TASK" (train.harness.preempt).
     deadline = time.time() + 120
     while time.time() < deadline and not (len(raw_ids(array, env)) == 3 and all(
             len(read_metrics(d)) >= 3 for _, d in points)):

@@ -10,7 +10,7 @@ from hydra.core.global_hydra import GlobalHydra
 from helpers import strategy_options
 from launcher import app
 from launcher.overrides import CONF_DIR, group_options
-from train.config import to_run_config, to_yaml
+from spec.config import to_run_config, to_yaml
 
 # Every option of every group at least once (cycling the shorter lists).
 _N = max(len(group_options(g)) for g in ("cluster", "model", "strategy"))

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, launcher
-from launcher import progress
-from train.rundir import read_metrics, read_run_json
+from launcher.track import progress
+from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

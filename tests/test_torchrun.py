@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, launcher, run_dir_of
 from helpers import strategy_options
 from launcher.local import free_port
-from train.rundir import read_metrics, read_run_json
+from spec.rundir import read_metrics, read_run_json
 
 pytestmark = pytest.mark.slow
 RANKS = {"pp_fsdp_tp": 4}  # pp 2 x tp 2

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from conftest import launcher, run_dir_of
-from train.rundir import read_run_json
-from train.watchdog import COLLECTIVE, Watchdog, stuck_ranks
+from spec.rundir import read_run_json
+from train.harness.watchdog import COLLECTIVE, Watchdog, stuck_ranks
 
 
 def beat(rank, phase=COLLECTIVE, step=5):

@@ -1,7 +1,7 @@
 """``python -m train RUN_DIR``: one rank of a job (also under torchrun or alone)."""
 import sys
 
-from train.preempt import PreemptionFlag
+from train.harness.preempt import PreemptionFlag
 
 if __name__ == "__main__":
     flag = PreemptionFlag().install()  # before the slow imports: see train.job

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.config import DataConfig
+from spec.config import DataConfig
 
 
 def _dtype(vocab_size: int) -> np.dtype:

@@ -9,18 +9,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train.config import RunConfig
+from spec.config import RunConfig
 from train.data import ShardedLoader, token_file
-from train.dist import DistContext
-from train.layout import Layout
+from train.harness.dist import DistContext
+from spec.layout import Layout
 from train.metrics import mfu, peak_memory_bytes
-from train.model_size import flops_per_token
+from spec.model_size import flops_per_token
 from train.model import build_model
-from train.checkpoint import Checkpointer
+from train.checkpoint.manager import Checkpointer
 from train.parallelize import parallelize
-from train.preempt import PreemptionFlag
-from train.watchdog import COLLECTIVE, Watchdog
-from train.rundir import append_metrics
+from train.harness.preempt import PreemptionFlag
+from train.harness.watchdog import COLLECTIVE, Watchdog
+from spec.rundir import append_metrics
 
 
 # A checkpoint on demand: `touch RUN_DIR/SAVE_NOW`; the next step boundary saves it.

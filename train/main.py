@@ -8,13 +8,13 @@ import time
 import traceback
 from pathlib import Path
 
-from train import preempt
-from train.config import WATCHDOG_GRACE_S, to_run_config, validate
-from train.layout import build_layout
-from train.checkpoint import Checkpointer
-from train.preempt import PreemptionFlag
-from train.watchdog import Watchdog, classify_failure
-from train.rundir import CONFIG, read_run_json, update_run_json
+from train.harness import preempt
+from spec.config import WATCHDOG_GRACE_S, to_run_config, validate
+from spec.layout import build_layout
+from train.checkpoint.manager import Checkpointer
+from train.harness.preempt import PreemptionFlag
+from train.harness.watchdog import Watchdog, classify_failure
+from spec.rundir import CONFIG, read_run_json, update_run_json
 
 # Statuses after which a (re)started job does nothing: resubmission resets them.
 FINAL = ("completed", "stopped")
@@ -48,7 +48,7 @@ def run(run_dir: str | Path, flag: PreemptionFlag | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from train.dist import all_hostnames, init_distributed, shutdown
+    from train.harness.dist import all_hostnames, init_distributed, shutdown
     from train.loop import train
 
     run_dir = Path(run_dir).resolve()
@@ -79,7 +79,7 @@ def run(run_dir: str | Path, flag: PreemptionFlag | None = None) -> int:
                         strategy=cfg.strategy.name, launcher=ctx.launcher, backend=ctx.backend,
                         started_at=time.time(), restart_count=ctx.restart_count, error=None, failure=None)
     if cfg.train.preflight:  # on outlier nodes with preflight_exclude: records them, raises PreflightError
-        from train.preflight import run_preflight
+        from train.harness.preflight import run_preflight
         run_preflight(ctx, run_dir, cfg.train.preflight_outlier, cfg.train.preflight_exclude, log.info)
     ckpt = Checkpointer(run_dir / "checkpoints", ctx.rank, keep=cfg.checkpoint.keep,
                         slow_async_s=cfg.fault.slow_async_save_s)

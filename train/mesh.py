@@ -2,7 +2,7 @@
 
 The mesh is row-major over the layout's axes and ranks are numbered node-major, so
 the innermost dim (tp) takes consecutive ranks of one node and the outer dims (pp,
-dp_replicate) step across nodes (see :mod:`train.layout`). Every dim is kept, size 1
+dp_replicate) step across nodes (see :mod:`spec.layout`). Every dim is kept, size 1
 included, so a strategy slices ``mesh["dp_shard"]`` without asking whether it exists.
 
 The flattened ``dp`` dim (dp_replicate x dp_shard: the ranks that see different data)
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from train.layout import AXES, Layout
+from spec.layout import AXES, Layout
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:

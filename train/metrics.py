@@ -1,7 +1,7 @@
 """Throughput, MFU and memory of a training step.
 
 MFU = achieved FLOP/s / (peak FLOP/s per GPU x GPUs). FLOPs per token follow the PaLM
-paper's estimate used by torchtitan (train/model_size.py, shared with the planner):
+paper's estimate used by torchtitan (spec/model_size.py, shared with the planner):
 6 x (parameters without embeddings) for the dense matmuls of forward and backward, plus
 12 x layers x heads x head_dim x seq_len for attention scores. Peak is the cluster
 group's dense bf16 figure; without one, MFU is null.

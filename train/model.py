@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from train.config import ModelConfig
-# Pure size arithmetic lives in train/model_size.py so the torch-free planner shares it.
-from train.model_size import count_params, ffn_hidden_dim  # noqa: F401  (re-exported)
+from spec.config import ModelConfig
+# Pure size arithmetic lives in spec/model_size.py so the torch-free planner shares it.
+from spec.model_size import count_params, ffn_hidden_dim  # noqa: F401  (re-exported)
 
 
 class RMSNorm(nn.Module):

@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from train.config import RunConfig
-from train.dist import DistContext
-from train.layout import Layout
+from spec.config import RunConfig
+from train.harness.dist import DistContext
+from spec.layout import Layout
 from train.mesh import build_mesh
 from train.model import Transformer
-from train.strategies import check_supported, get_builder
+from spec.support import check_supported
+from train.strategies import get_builder
 from train.strategies.tp import apply_tp
 
 

@@ -4,99 +4,18 @@
 (tensor parallel and activation checkpointing already applied by
 :func:`train.parallelize.parallelize`, which also built ``mesh``), materialises and wraps
 it, and returns an engine with ``train_step(micro_batches, lr) -> (loss, grad_norm)``
-(:class:`train.strategies.base.TorchEngine` or the DeepSpeed adapter).
-This module is pure (no torch import) so the launcher can refuse an unsupported
-combination before submission with the same table the job uses.
+(:class:`train.strategies.base.TorchEngine` or the DeepSpeed adapter). Which
+combinations exist is :mod:`spec.support`'s table.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Dict, Tuple
+from typing import Callable
 
-from train.config import ConfigError, RunConfig
-from train.layout import Layout
-from train.strategies import ds_config
-
-# (engine, data_parallel) -> "module:function". Filled in as strategies land.
-_BUILDERS: Dict[Tuple[str, str], str] = {
-    ("torch", "ddp"): "train.strategies.ddp:build",
-    ("torch", "fsdp"): "train.strategies.fsdp:build",
-    ("torch", "none"): "train.strategies.tp:build",  # tensor parallel alone
-    ("deepspeed", "zero0"): "train.strategies.deepspeed:build",
-    ("deepspeed", "zero1"): "train.strategies.deepspeed:build",
-    ("deepspeed", "zero2"): "train.strategies.deepspeed:build",
-    ("deepspeed", "zero3"): "train.strategies.deepspeed:build",
-}
-
-
-def builder_key(cfg: RunConfig) -> Tuple[str, str]:
-    s = cfg.strategy
-    return (s.engine, s.data_parallel if s.engine == "torch" else f"zero{s.zero_stage}")
-
-
-def check_supported(cfg: RunConfig, layout: Layout) -> None:
-    """Raise ConfigError for a combination this version cannot run (before submission)."""
-    ds_config.check(cfg)
-    key = builder_key(cfg)
-    if key not in _BUILDERS:
-        known = ", ".join(f"engine={e} data_parallel={d}" for e, d in _BUILDERS)
-        raise ConfigError(f"strategy {cfg.strategy.name!r} (engine={key[0]}, {key[1]}) is not available in this "
-                          f"version; available: {known}")
-    if layout.pp_enabled:
-        _check_pp(cfg, layout, key)
-    _check_tp(cfg, layout, key)
-
-
-def stages_per_rank(schedule: str) -> int:
-    """Pipeline stages one rank holds: 2 for the interleaved schedule (looped placement)."""
-    return 2 if schedule == "interleaved_1f1b" else 1
-
-
-def _check_pp(cfg: RunConfig, layout: Layout, key: Tuple[str, str]) -> None:
-    s, name, pp = cfg.strategy, cfg.strategy.name, layout.pp
-    if s.engine != "torch":
-        raise ConfigError(f"strategy {name!r}: pipeline_parallel={pp} with engine={s.engine}: pipeline parallel "
-                          "runs on the torch engine (torch.distributed.pipelining); use +strategy=pp or "
-                          "+strategy=pp_fsdp_tp, or strategy.pipeline_parallel=1")
-    if key == ("torch", "none") and layout.dp > 1:
-        raise ConfigError(f"strategy {name!r}: data_parallel=none but pipeline_parallel={pp} leaves dp={layout.dp} "
-                          f"data-parallel ranks ({layout.describe()}); use strategy.data_parallel=ddp or fsdp")
-    v = stages_per_rank(s.pp_schedule)
-    if pp * v > cfg.model.n_layers:
-        raise ConfigError(f"strategy.pipeline_parallel={pp} x {v} stage(s) per rank ({s.pp_schedule}) = {pp * v} "
-                          f"stages > model.n_layers={cfg.model.n_layers}; use fewer stages or another pp_schedule")
-    if cfg.model.tie_embeddings:
-        raise ConfigError(f"model.tie_embeddings=true with pipeline_parallel={pp}: the embedding and the head "
-                          "live on different stages; use model.tie_embeddings=false or pipeline_parallel=1")
-    m, batch = s.pp_microbatches, cfg.train.micro_batch_size * cfg.train.grad_accum
-    if batch % m:
-        raise ConfigError(f"strategy.pp_microbatches={m} must divide the sequences per rank and step, "
-                          f"train.micro_batch_size x train.grad_accum = {batch}; pick a divisor of {batch}")
-    if s.pp_schedule == "1f1b" and m < pp:
-        raise ConfigError(f"strategy.pp_microbatches={m} < pipeline_parallel={pp}: 1F1B needs at least one "
-                          f"micro-batch per stage; use strategy.pp_microbatches>={pp}")
-    rounds = max(1, m // pp)
-    if s.pp_schedule == "interleaved_1f1b" and m % rounds:
-        raise ConfigError(f"strategy.pp_microbatches={m} with interleaved_1f1b and pipeline_parallel={pp} must be "
-                          f"a multiple of the rounds m // pp = {rounds}; use a multiple of {pp}")
-
-
-def _check_tp(cfg: RunConfig, layout: Layout, key: Tuple[str, str]) -> None:
-    name = cfg.strategy.name
-    if key == ("torch", "none") and layout.dp > 1:
-        raise ConfigError(f"strategy {name!r}: data_parallel=none but the layout has dp={layout.dp} data-parallel "
-                          f"ranks ({layout.describe()}); use +strategy=fsdp_tp or tensor_parallel={layout.world_size}")
-    if not layout.tp_enabled:
-        return
-    if key not in (("torch", "fsdp"), ("torch", "none")):
-        raise ConfigError(f"strategy {name!r} ({key[0]} {key[1]}) with tensor_parallel={layout.tp}: tensor parallel "
-                          "composes with FSDP only (DDP and DeepSpeed do not take DTensor parameters); "
-                          "use +strategy=tp or +strategy=fsdp_tp")
-    if cfg.model.tie_embeddings:
-        raise ConfigError(f"model.tie_embeddings=true with tensor_parallel={layout.tp}: the tied embedding/head is "
-                          "not sharded by the TP plan; use tensor_parallel=1 or model.tie_embeddings=false")
+from spec.config import RunConfig
+from spec.support import BUILDERS, builder_key
 
 
 def get_builder(cfg: RunConfig) -> Callable:
-    module, func = _BUILDERS[builder_key(cfg)].split(":")
+    module, func = BUILDERS[builder_key(cfg)].split(":")
     return getattr(importlib.import_module(module), func)

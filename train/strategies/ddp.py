@@ -9,9 +9,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train.config import RunConfig
-from train.dist import DistContext
-from train.layout import Layout
+from spec.config import RunConfig
+from train.harness.dist import DistContext
+from spec.layout import Layout
 from train.mesh import data_parallel_mesh
 from train.model import Transformer
 from train.strategies.base import TorchEngine, build_adamw

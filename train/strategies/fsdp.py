@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from train.config import RunConfig
-from train.dist import DistContext
-from train.layout import Layout
+from spec.config import RunConfig
+from train.harness.dist import DistContext
+from spec.layout import Layout
 from train.mesh import dp_mesh
 from train.model import Transformer
 from train.strategies.base import TorchEngine, build_adamw, compute_dtype

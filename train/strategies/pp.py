@@ -47,12 +47,12 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train.config import RunConfig
-from train.dist import DistContext
-from train.layout import Layout
+from spec.config import RunConfig
+from train.harness.dist import DistContext
+from spec.layout import Layout
 from train.mesh import data_parallel_mesh
 from train.model import Transformer
-from train.strategies import stages_per_rank
+from spec.support import stages_per_rank
 from train.strategies.base import build_adamw, compute_dtype, loss_fn
 from train.strategies.fsdp import apply_fsdp
 

@@ -25,9 +25,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from train.config import RunConfig
-from train.dist import DistContext
-from train.layout import Layout
+from spec.config import RunConfig
+from train.harness.dist import DistContext
+from spec.layout import Layout
 from train.model import Transformer
 from train.strategies.base import build_adamw
 from train.strategies.fsdp import DTensorEngine

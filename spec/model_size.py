@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.config import ModelConfig
+from spec.config import ModelConfig
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:

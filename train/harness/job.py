@@ -12,7 +12,7 @@ class TrainJob:
     run_dir: str
 
     def __call__(self) -> int:
-        from train.preempt import PreemptionFlag
+        from train.harness.preempt import PreemptionFlag
 
         # Before the slow imports (torch: seconds): a USR2 that comes now (Slurm may send
         # --signal's up to 60 s early, or the job is preempted as it starts) sets the flag,

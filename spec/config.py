@@ -51,7 +51,7 @@ class ClusterConfig:
     # Slurm sends the user signal (USR2) this many seconds before the time limit.
     signal_delay_s: int = 120
     # A step that does not complete within this many seconds is a hang: stacks are dumped,
-    # hang.json names the stuck ranks, the job exits (train/watchdog.py). 0 disables.
+    # hang.json names the stuck ranks, the job exits (train/harness/watchdog.py). 0 disables.
     # Until a segment's first step completes (build, restore, lazy init) the limit is
     # 3x this, capped at train.dist_timeout_s - 5. Keep it below train.dist_timeout_s
     # and above the slowest step (compile, checkpoint).
@@ -178,7 +178,7 @@ class TrainConfig:
     # watchdog then reports a hang (stacks, NCCL flight recorder) before NCCL aborts.
     dist_timeout_s: int = 600
     # Before training, time a matmul and an all-reduce on every rank and write
-    # preflight.json (train/preflight.py); takes a few seconds.
+    # preflight.json (train/harness/preflight.py); takes a few seconds.
     preflight: bool = False
     # A node (or rank) below this fraction of the median over nodes (ranks) is an outlier.
     preflight_outlier: float = 0.7
@@ -318,7 +318,7 @@ _HOSTLIST_FIELDS = ("cluster.exclude",)
 _HOSTLIST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.,[]")
 
 # The hang watchdog checks once a second and, once it fires, waits 3 s for every rank to
-# dump its stack (train/watchdog.py): it needs this much before the collective timeout.
+# dump its stack (train/harness/watchdog.py): it needs this much before the collective timeout.
 WATCHDOG_GRACE_S = 5
 
 

@@ -22,12 +22,12 @@ import json
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from launcher.costmodel import MFU, Candidate, StepTime, candidates, step_time
-from launcher.memory import GB, Memory, compute_bytes, estimate
+from launcher.plan.costmodel import MFU, Candidate, StepTime, candidates, step_time
+from launcher.plan.memory import GB, Memory, compute_bytes, estimate
 from launcher.overrides import CONF_DIR, check_overrides, group_options
-from train.config import ConfigError, RunConfig, to_run_config, validate
-from train.layout import Layout, build_layout
-from train.model_size import count_params
+from spec.config import ConfigError, RunConfig, to_run_config, validate
+from spec.layout import Layout, build_layout
+from spec.model_size import count_params
 
 OPTIONS = {"format": ("table", "json"), "top": int, "recommend": bool, "mfu": float, "global_batch": int}
 DEFAULTS = {"format": "table", "top": 5, "recommend": False, "mfu": MFU, "global_batch": None}
@@ -73,8 +73,8 @@ def compose(overrides: List[str]) -> RunConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from launcher.rundir import register_resolvers
-    from train.config import register_configs
+    from launcher.provenance import register_resolvers
+    from spec.config import register_configs
 
     register_configs()
     register_resolvers()
@@ -291,7 +291,3 @@ def main() -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     sys.exit(code)
-
-
-if __name__ == "__main__":
-    main()

@@ -73,7 +73,7 @@ def nccl_env_defaults(trace_dir: Optional[Path], env: MutableMapping[str, str] =
         # Flight recorder: keep the last N collectives of every process group...
         (("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"), "2000"),
         # ...and dump them on a collective timeout to PREFIX<rank> (the hang watchdog,
-        # which fires earlier, dumps them itself: train/watchdog.py).
+        # which fires earlier, dumps them itself: train/harness/watchdog.py).
         (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1"),
     ]
     if trace_dir is not None:

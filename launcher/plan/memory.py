@@ -14,10 +14,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-from train.config import ModelConfig, RunConfig
-from train.layout import Layout
-from train.model_size import count_params, ffn_hidden_dim, param_breakdown
-from train.strategies.ds_config import deepspeed_config, use_bf16
+from spec.config import ModelConfig, RunConfig
+from spec.layout import Layout
+from spec.model_size import count_params, ffn_hidden_dim, param_breakdown
+from spec.ds_config import deepspeed_config, use_bf16
 
 GB = 1e9
 ADAM = 8            # fp32 first and second moments per parameter
@@ -243,7 +243,7 @@ def _deepspeed_states(cfg: RunConfig, layout: Layout, psi: int, e: int):
     copy (4 Ψ/N), an fp32 master partition and Adam (12 Ψ/N): fp32 4 + 20/N, bf16 2 + 18/N,
     so stage 1 = stage 2. Stage 3 partitions the params too: (2e + 16)/N.
     Stage 0 keeps fp32 params, grads and Adam (bf16: BF16_Optimizer's bf16 params and grads,
-    fp32 master and accumulated grads). Buckets come from train/strategies/ds_config.py."""
+    fp32 master and accumulated grads). Buckets come from spec/ds_config.py."""
     s, n = cfg.strategy, layout.dp
     zero = deepspeed_config(cfg, n, "cuda" if cfg.cluster.accelerator == "gpu" else "cpu")["zero_optimization"]
     bucket = min(zero.get("reduce_bucket_size", 0), psi)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from train.config import ConfigError, RunConfig
+from spec.config import ConfigError, RunConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 

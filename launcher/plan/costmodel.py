@@ -18,11 +18,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from train.config import ConfigError, RunConfig, StrategyConfig
-from train.layout import Layout, build_layout
-from train.model_size import flops_per_token
-from train.strategies import check_supported
-from launcher.memory import AC_MODES, Memory, compute_bytes, estimate, stage_params
+from spec.config import ConfigError, RunConfig, StrategyConfig
+from spec.layout import Layout, build_layout
+from spec.model_size import flops_per_token
+from spec.support import check_supported
+from launcher.plan.memory import AC_MODES, Memory, compute_bytes, estimate, stage_params
 
 MFU = 0.40                   # fraction of peak the matmuls reach (assumption; plan.mfu=...)
 FP32_PEAK = 0.5              # fp32 runs on TF32 tensor cores: half the bf16 peak

@@ -10,7 +10,7 @@ extension build):
 
 1. each rank dumps the Python stack of all its threads to ``logs/stack_rank{R}.txt``
    (faulthandler) and, on NCCL, torch's flight recorder (its last collectives, see
-   ``train.dist.nccl_env_defaults``) to ``logs/nccl_trace_rank{R}.pkl``;
+   ``train.harness.dist.nccl_env_defaults``) to ``logs/nccl_trace_rank{R}.pkl``;
 2. after a short grace for the others to do the same, the first rank to get there
    writes ``hang.json``: every rank's last heartbeat, and the *stuck* ranks: those not
    waiting in a collective (they never arrived), or, if all are waiting, those at the

@@ -122,8 +122,8 @@ def run_preflight(ctx, run_dir: Path, threshold: float, exclude: bool, log: Call
     """Measure on every rank, write preflight.json (rank 0), stop the job on outliers if asked."""
     import torch.distributed as dist
 
-    from train.dist import shutdown
-    from train.rundir import update_run_json
+    from train.harness.dist import shutdown
+    from spec.rundir import update_run_json
 
     t0 = time.time()
     mine = {"rank": ctx.rank, "host": ctx.hostname, "node": ctx.node_rank, "local_rank": ctx.local_rank,

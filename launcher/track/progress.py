@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.status import Sweep, UsageError, collect, console
+from launcher.track.status import Sweep, UsageError, collect, console
 
 
 def describe(sweep: Sweep) -> str:
@@ -48,7 +48,7 @@ def wait_sweep(sweep_dir: Path, poll_s: float = 2.0) -> int:
     at submission and do not count), 1 otherwise, 2 for a sweep directory without a
     registry, 130 when interrupted (the jobs keep running).
     """
-    from launcher import report
+    from launcher.track import report
 
     out = console()
     try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from train.config import ConfigError, RunConfig
+from spec.config import ConfigError, RunConfig
 
 DEFAULT_BUCKET = 500_000_000  # DeepSpeed's default reduce/all-gather/prefetch bucket
 DEFAULT_PERSISTENCE = 100_000  # DeepSpeed's default stage3_param_persistence_threshold

@@ -1,0 +1,1 @@
+"""Checkpoints: atomic, verified, resumable (see :mod:`.manager`)."""
