@@ -228,7 +228,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         final = self.root / step_name(step)
         tmp = self.root / f".tmp-{step_name(step)}"
-        background = not blocking and not hasattr(engine, "ds")
+        background = not blocking and not engine.native_checkpoint
         if background:  # no barrier: a stale temporary directory was removed at start-up (load_latest)
             tmp.mkdir(parents=True, exist_ok=True)
         else:
@@ -252,8 +252,8 @@ class Checkpointer:
             self._unwaited = True
             self.last_save_s = time.perf_counter() - t0  # the stall, with staging_wait_s
             return final
-        if hasattr(engine, "ds"):  # DeepSpeed writes its own sharded files; read back below
-            engine.ds.save_checkpoint(str(tmp / "deepspeed"), tag="state")
+        if engine.native_checkpoint:  # DeepSpeed writes its own sharded files; read back below
+            engine.save_native(tmp / "deepspeed")
             side.write_text(json.dumps(sums))
         else:
             import torch.distributed.checkpoint as dcp
@@ -281,7 +281,7 @@ class Checkpointer:
     def prepare_async(self, engine) -> None:
         """The gloo group and the thread of async saves (collective when it makes the group:
         the loop calls it at start-up, so that the first save does not wait ~70 ms for it)."""
-        if hasattr(engine, "ds"):
+        if engine.native_checkpoint:
             return
         if self._async_group is None:
             self._async_group = dist.new_group(backend="gloo")
@@ -407,7 +407,7 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         names = [[p.name for p in committed_steps(self.root)] if self.rank == 0 else None]
         dist.broadcast_object_list(names, src=0)
-        in_load = (lambda rel: False) if hasattr(engine, "ds") else (lambda rel: bool(_DCP_FILE.search(rel)))
+        in_load = (lambda rel: False) if engine.native_checkpoint else (lambda rel: bool(_DCP_FILE.search(rel)))
         ckpt = None
         for name in names[0]:
             reasons: List[Optional[str]] = [None] * world
@@ -431,8 +431,8 @@ class Checkpointer:
 
     def _engine_load(self, engine, ckpt: Path, in_load: Callable[[str], bool]) -> Optional[str]:
         """Load ``ckpt`` into ``engine`` (collective); the reason if a file it read was corrupt."""
-        if hasattr(engine, "ds"):  # verified beforehand: DeepSpeed reads its files itself
-            engine.ds.load_checkpoint(str(ckpt / "deepspeed"), tag="state")
+        if engine.native_checkpoint:  # verified beforehand: DeepSpeed reads its files itself
+            engine.load_native(ckpt / "deepspeed")
             return None
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
@@ -746,28 +746,16 @@ def _summing_writer():
 
 
 class _AppState:
-    """DCP Stateful: model + optimizer through get/set_state_dict (DDP, FSDP2, TP alike);
-    an engine with its own ``state_dict`` (pipeline stages) provides it."""
+    """DCP Stateful over an engine's model + optimizer state (:class:`train.strategies.base.Engine`)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
 
     def state_dict(self) -> Dict[str, Any]:
-        if hasattr(self.engine, "state_dict"):
-            return self.engine.state_dict()
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.engine.module, self.engine.optimizer)
-        return {"model": model, "optim": optim}
+        return self.engine.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if hasattr(self.engine, "load_state_dict"):
-            self.engine.load_state_dict(state)
-            return
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.engine.module, self.engine.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        self.engine.load_state_dict(state)
 
 
 class _Snapshot:

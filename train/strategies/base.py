@@ -1,8 +1,16 @@
-"""What every strategy builder returns: an engine that runs one optimizer step."""
+"""What every strategy builder returns: an engine that runs one optimizer step.
+
+:class:`Engine` is the protocol the trainer and the checkpoints speak; no caller asks an
+engine what it is (``hasattr``), it asks the engine. Torch engines checkpoint through
+torch.distributed.checkpoint (``state_dict`` / ``load_state_dict``); an engine with
+``native_checkpoint`` (DeepSpeed) writes and reads its own files (``save_native`` /
+``load_native``).
+"""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, List, Optional, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +42,55 @@ def compute_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if mode == "bf16" else torch.float32
 
 
-class TorchEngine:
+class Engine(Protocol):
+    module: nn.Module
+    optimizer: Any
+    device: torch.device
+    #: True when the engine writes its own checkpoint files (DeepSpeed); False: DCP.
+    native_checkpoint: bool
+
+    def train_step(self, micro_batches: Iterable[Tuple[torch.Tensor, torch.Tensor]], lr: float
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step: (mean loss over this rank's micro-batches, grad norm before clipping)."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """DCP state: {"model": ..., "optim": ...} (engines without native_checkpoint)."""
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict` (collective)."""
+
+    def save_native(self, path: Path) -> None:
+        """Write the engine's own checkpoint files under ``path`` (native_checkpoint only)."""
+
+    def load_native(self, path: Path) -> None:
+        """Read what :meth:`save_native` wrote (native_checkpoint only)."""
+
+
+class DCPState:
+    """Model + optimizer through torch's get/set_state_dict (DDP, FSDP2, TP alike)."""
+
+    native_checkpoint = False
+    module: nn.Module
+    optimizer: Any
+
+    def state_dict(self) -> Dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def save_native(self, path: Path) -> None:
+        raise NotImplementedError(f"{type(self).__name__} checkpoints through DCP (native_checkpoint=False)")
+
+    load_native = save_native
+
+
+class TorchEngine(DCPState):
     """Forward/backward over the micro-batches of one step, clip, optimizer step.
 
     ``no_sync`` (DDP) skips the gradient all-reduce for all but the last micro-batch.

@@ -14,7 +14,8 @@ CPU; very large models on GPU would want ``deepspeed.zero.Init`` instead.
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, Tuple
+from pathlib import Path
+from typing import Any, Dict, Iterable, Tuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,12 +35,25 @@ class DeepSpeedEngine:
     ``ds.save_checkpoint`` / ``ds.load_checkpoint``, which know the partitioning).
     """
 
+    native_checkpoint = True  # DeepSpeed's own sharded files: it knows the partitioning
+
     def __init__(self, ds, device: torch.device) -> None:
         self.ds = ds
         self.module = ds.module
         self.optimizer = ds.optimizer
         self.device = device
         self.stage = ds.zero_optimization_stage()
+
+    def save_native(self, path: Path) -> None:
+        self.ds.save_checkpoint(str(path), tag="state")
+
+    def load_native(self, path: Path) -> None:
+        self.ds.load_checkpoint(str(path), tag="state")
+
+    def state_dict(self) -> Dict[str, Any]:
+        raise NotImplementedError("DeepSpeed checkpoints through save_native (native_checkpoint=True)")
+
+    load_state_dict = state_dict
 
     def _grad_norm(self) -> torch.Tensor:
         """Norm of the all-reduced gradients before clipping: ZeRO reports it, stage 0 does not."""

@@ -53,7 +53,7 @@ from spec.layout import Layout
 from train.mesh import data_parallel_mesh
 from train.model import Transformer
 from spec.support import stages_per_rank
-from train.strategies.base import build_adamw, compute_dtype, loss_fn
+from train.strategies.base import DCPState, build_adamw, compute_dtype, loss_fn
 from train.strategies.fsdp import apply_fsdp
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -85,7 +85,7 @@ def stage_module(model: Transformer, layer_ids: List[int], first: bool, last: bo
     return part
 
 
-class PipelineEngine:
+class PipelineEngine(DCPState):
     """Runs one optimizer step through a pipeline schedule; ``parts`` are this rank's stages."""
 
     def __init__(self, parts: List[nn.Module], optimizers: List[torch.optim.Optimizer], schedule, cfg: RunConfig,
