@@ -20,7 +20,8 @@ from launcher.plan.cli import check_fits
 from launcher.provenance import write_provenance
 from launcher.track.summary import summary_lines
 from slurm import query
-from spec.config import ConfigError, RunConfig, to_run_config, validate
+from spec.config import ConfigError, RunConfig, to_run_config
+from spec.validate import validate
 from spec.layout import Layout, build_layout
 from spec.rundir import CONFIG, read_run_json, update_run_json
 from spec.support import check_supported

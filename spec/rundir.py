@@ -1,21 +1,137 @@
-"""The run directory's small shared files: ``run.json`` and ``metrics.jsonl``.
+"""The run directory's contract: its file names, ``run.json`` and ``metrics.jsonl``.
 
-Pure standard library; written by the launcher (submission) and by rank 0 of the job.
-``run.json`` fields relied on outside the project: job_id, status, strategy, nodes,
-world_size, hostnames (plus segments, run_dir, times). Writes are atomic (temp file +
-rename) so a reader never sees half a file.
+Pure standard library; written by the launcher (submission) and by rank 0 of the job,
+read by the trackers. ``run.json`` fields relied on outside the project: job_id, status,
+strategy, nodes, world_size, hostnames (plus segments, run_dir, times). Writes are atomic
+(temp file + rename) so a reader never sees half a file. :class:`Status` holds every
+status the project writes; :class:`MetricsRow` is the one writer and reader of
+``metrics.jsonl`` rows; :func:`steady` is the one definition of the steady-state steps.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 RUN_JSON = "run.json"
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
+SBATCH = "sbatch.sh"
+LOGS = "logs"
+CHECKPOINTS = "checkpoints"
+SAVE_NOW = "SAVE_NOW"  # touch RUN_DIR/SAVE_NOW: a checkpoint at the next step boundary
+
+
+class Status(str, Enum):
+    """``run.json``'s ``status``. A ``str``: run.json holds the plain value."""
+
+    SUBMITTED = "submitted"  # the launcher handed the job to Slurm
+    STARTING = "starting"  # a local run's ranks are starting (no Slurm)
+    RUNNING = "running"  # rank 0 joined the process group
+    REQUEUED = "requeued"  # checkpointed after a signal; Slurm runs it again (same job id)
+    INTERRUPTED = "interrupted"  # stopped by a signal without a requeue (SIGTERM, local run, failed requeue)
+    COMPLETED = "completed"  # every step done: never retrained
+    FAILED = "failed"  # an error, a hang, a dead node: `python -m launcher.resume` continues it
+    STOPPED = "stopped"  # the requeue cap (cluster.max_requeues) ended it
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def final(self) -> bool:
+        """Never started again by a re-run of the same command (resume says so instead)."""
+        return self in (Status.COMPLETED, Status.STOPPED)
+
+    @property
+    def ended(self) -> bool:
+        """The job will not run again by itself (no requeue pending)."""
+        return self in (Status.COMPLETED, Status.FAILED, Status.STOPPED)
+
+
+def status_of(info: Dict[str, Any]) -> Optional[Status]:
+    """The Status in a run.json mapping; None when absent or unknown (an older file)."""
+    try:
+        return Status(info.get("status"))
+    except ValueError:
+        return None
+
+
+@dataclass
+class MetricsRow:
+    """One line of ``metrics.jsonl``: one optimizer step of the run (rank 0 writes it).
+
+    The built-in trainer fills every field; a user's workload may leave any but ``step``
+    unset (None, not written). Keys this version does not know are kept in ``extra`` and
+    written back flat. Rows read like the JSON records they are (``row["loss"]``,
+    ``row.get("mfu")``), so scripts that read the file with ``json`` and code that reads
+    rows agree.
+    """
+
+    step: int
+    loss: Optional[float] = None
+    lr: Optional[float] = None
+    grad_norm: Optional[float] = None
+    step_time_s: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    samples_per_s: Optional[float] = None
+    peak_mem_bytes: Optional[int] = None
+    mfu: Optional[float] = None  # written as null when the cluster has no peak FLOP/s
+    global_batch_size: Optional[int] = None
+    tokens_per_step: Optional[int] = None
+    world_size: Optional[int] = None
+    segment: Optional[int] = None
+    time: Optional[float] = None
+    compute_time_s: Optional[float] = None
+    comm_time_s: Optional[float] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    _ALWAYS = ("mfu",)  # written even when None (readers tell "no peak" from "not measured")
+
+    @classmethod
+    def names(cls) -> List[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+
+    def as_dict(self) -> Dict[str, Any]:
+        out = {k: v for k in self.names() if (v := getattr(self, k)) is not None or k in self._ALWAYS}
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "MetricsRow":
+        known = set(cls.names())
+        return cls(**{k: v for k, v in data.items() if k in known},
+                   extra={k: v for k, v in data.items() if k not in known})
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.extra:
+            return self.extra[key]
+        if key in self.names():
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            value = self[key]
+        except KeyError:
+            return default
+        return default if value is None else value
+
+    def keys(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+
+def steady(rows: Sequence[Any]) -> List[Any]:
+    """The steady-state steps of a run: drop the first quarter, and at least the first step
+    (it pays for lazy initialisation, allocator warm-up and compilation). The summary and
+    the scaling report both measure throughput over these."""
+    if len(rows) < 2:
+        return list(rows)
+    return list(rows[max(1, len(rows) // 4):])
 
 
 def read_run_json(run_dir: str | Path) -> Dict[str, Any]:
@@ -37,14 +153,14 @@ def update_run_json(run_dir: str | Path, /, **fields: Any) -> Dict[str, Any]:
     return data
 
 
-def append_metrics(run_dir: str | Path, row: Dict[str, Any]) -> None:
+def append_metrics(run_dir: str | Path, row: MetricsRow) -> None:
     """Append one row to metrics.jsonl (never overwrites earlier segments)."""
     with open(Path(run_dir) / METRICS, "a") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(json.dumps(row.as_dict()) + "\n")
         f.flush()
 
 
-def read_metrics(run_dir: str | Path) -> List[Dict[str, Any]]:
+def read_metrics(run_dir: str | Path) -> List[MetricsRow]:
     path = Path(run_dir) / METRICS
     if not path.exists():
         return []
@@ -53,7 +169,9 @@ def read_metrics(run_dir: str | Path) -> List[Dict[str, Any]]:
         line = line.strip()
         if line:
             try:
-                rows.append(json.loads(line))
+                data = json.loads(line)
             except json.JSONDecodeError:  # a torn last line after a kill
                 continue
+            if isinstance(data, dict) and isinstance(data.get("step"), int):
+                rows.append(MetricsRow.from_dict(data))
     return rows

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from conftest import launcher
 from launcher.submit import render_script
-from spec.config import ConfigError, RunConfig, validate
+from spec.config import ConfigError, RunConfig
+from spec.validate import validate
 from spec.layout import build_layout
 
 degree = st.sampled_from([-1, 1, 2, 3, 4, 8, 16, 0, -2])
@@ -101,7 +102,7 @@ _PIECES = ["a", "Z", "9", " ", "  ", "'", '"', "$", "$(touch x)", "`touch y`", "
 hostile = st.one_of(st.lists(st.sampled_from(_PIECES), min_size=1, max_size=8).map("".join),
                     st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=6))
 
-# What validate refuses, per kind of field (spec/config.py).
+# What validate refuses, per kind of field (spec/validate.py).
 _CONTROL = {chr(c) for c in [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029]}
 _REFUSED = {"sbatch": _CONTROL | {"\\"}, "env": _CONTROL, "run_dir": _CONTROL | {"\\", "%"}}
 _MARK = "\x01"  # never in an accepted value: separates the records the bash run prints

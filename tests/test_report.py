@@ -14,7 +14,7 @@ from conftest import REPO
 from launcher.track import cancel, progress, registry, report, status
 from launcher.track.scaling import classify, efficiency, point_metrics, scaling_kind, series_labels, stitch
 from slurm import query
-from spec.rundir import append_metrics, update_run_json
+from spec.rundir import MetricsRow, append_metrics, update_run_json
 
 NAME = "sto-tiny-ddp"
 
@@ -60,7 +60,7 @@ def add_point(sweep, n, job, status_, nodes, gpn, rows, overrides=None, name=NAM
     (run_dir / "sbatch.sh").write_text(f"#!/bin/bash\n#SBATCH --job-name={name}\n")
     update_run_json(run_dir, job_id=job, status=status_, world_size=nodes * gpn, nodes=nodes, strategy=strategy)
     for row in rows:
-        append_metrics(run_dir, row)
+        append_metrics(run_dir, MetricsRow.from_dict(row))
     registry.record(sweep, str(n), "submitted", overrides=overrides or ["+cluster=localslurm", f"cluster.nodes={nodes}"],
                     run_dir=str(run_dir), job_id=job, nodes=nodes, gpus_per_node=gpn, strategy=strategy)
     return run_dir

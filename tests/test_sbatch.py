@@ -11,7 +11,7 @@ import pytest
 
 from launcher.submit import render_script, slurm_parameters
 from helpers import compose_run as _compose
-from spec.config import validate
+from spec.validate import validate
 from spec.layout import build_layout
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -20,7 +20,7 @@ from train.checkpoint.manager import Checkpointer
 from train.parallelize import parallelize
 from train.harness.preempt import PreemptionFlag
 from train.harness.watchdog import COLLECTIVE, Watchdog
-from spec.rundir import append_metrics
+from spec.rundir import MetricsRow, append_metrics
 
 
 # A checkpoint on demand: `touch RUN_DIR/SAVE_NOW`; the next step boundary saves it.
@@ -124,16 +124,16 @@ def _steps(cfg: RunConfig, ctx: DistContext, run_dir: Path, segment: int, log, f
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"loss is {loss_value} at step {step + 1}; lower optim.lr")
         dt = time.perf_counter() - t0
-        row = {
-            "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "step_time_s": dt,
-            "tokens_per_s": tokens_per_step / dt, "samples_per_s": loader.global_batch / dt,
-            "peak_mem_bytes": peak_mem, "mfu": mfu(tokens_per_step / dt, flops_token, peak, n_gpus),
-            "global_batch_size": loader.global_batch, "tokens_per_step": tokens_per_step,
-            "world_size": ctx.world_size, "segment": segment, "time": time.time(),
-        }
+        row = MetricsRow(
+            step=step + 1, loss=loss_value, lr=lr, grad_norm=norm_value, step_time_s=dt,
+            tokens_per_s=tokens_per_step / dt, samples_per_s=loader.global_batch / dt,
+            peak_mem_bytes=peak_mem, mfu=mfu(tokens_per_step / dt, flops_token, peak, n_gpus),
+            global_batch_size=loader.global_batch, tokens_per_step=tokens_per_step,
+            world_size=ctx.world_size, segment=segment, time=time.time(),
+        )
         if ctx.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
             append_metrics(run_dir, row)
-            log(f"step {step + 1}/{cfg.train.steps} loss {loss_value:.4f} tokens/s {row['tokens_per_s']:.0f} "
+            log(f"step {step + 1}/{cfg.train.steps} loss {loss_value:.4f} tokens/s {row.tokens_per_s:.0f} "
                 f"step {dt * 1000:.1f} ms")
         every = cfg.checkpoint.every_steps
         if preempted or save_due or (every and (step + 1) % every == 0 and step + 1 < cfg.train.steps):

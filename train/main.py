@@ -9,7 +9,8 @@ import traceback
 from pathlib import Path
 
 from train.harness import preempt
-from spec.config import WATCHDOG_GRACE_S, to_run_config, validate
+from spec.config import to_run_config
+from spec.validate import WATCHDOG_GRACE_S, validate
 from spec.layout import build_layout
 from train.checkpoint.manager import Checkpointer
 from train.harness.preempt import PreemptionFlag

@@ -25,7 +25,8 @@ from typing import Dict, List, Optional, Tuple
 from launcher.plan.costmodel import MFU, Candidate, StepTime, candidates, step_time
 from launcher.plan.memory import GB, Memory, compute_bytes, estimate
 from launcher.overrides import CONF_DIR, check_overrides, group_options
-from spec.config import ConfigError, RunConfig, to_run_config, validate
+from spec.config import ConfigError, RunConfig, to_run_config
+from spec.validate import validate
 from spec.layout import Layout, build_layout
 from spec.model_size import count_params
 

@@ -10,6 +10,8 @@ import re
 from datetime import datetime
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from spec.rundir import steady
+
 # Overrides that change only the size of a point: points differing in these alone form
 # one scaling series (the same run on more ranks).
 WORLD_KEYS = ("cluster.nodes", "cluster.gpus_per_node")
@@ -42,14 +44,6 @@ def stitch(rows: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
         if isinstance(row.get("step"), int):
             by_step[row["step"]] = row
     return [by_step[s] for s in sorted(by_step)]
-
-
-def steady(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The steady-state steps: drop the first quarter (at least the first step, which
-    pays for lazy initialisation, allocator warm-up and compilation)."""
-    if len(rows) < 2:
-        return list(rows)
-    return list(rows[max(1, len(rows) // 4):])
 
 
 def _mean(values: List[float]) -> Optional[float]:

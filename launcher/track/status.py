@@ -23,15 +23,12 @@ from typing import Any, Dict, List, Optional
 from launcher.track import registry
 from launcher.track.scaling import classify, point_metrics, slurm_time, stitch, varying_overrides
 from slurm import query
+from slurm.states import ACTIVE, PENDING, is_job_id
 from spec.rundir import read_metrics, read_run_json
 
 # sbatch returns before the registry line is written, so a job's Submit precedes it by
 # the submission latency; the slack on the other side absorbs login/controller clock skew.
 EARLY_S, LATE_S = 600.0, 60.0
-PENDING = ("PENDING", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD")
-ACTIVE = PENDING + ("RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "STAGE_OUT",
-                    "SIGNALING", "STOPPED")
-_JOB_ID = re.compile(r"^\d+(_\d+)?$")
 
 
 class UsageError(Exception):
@@ -188,7 +185,7 @@ def settle(p: Point, slurm_ok: bool) -> None:
     if last:
         p.state = last
         p.outcome = "completed" if last == "COMPLETED" and status == "completed" else "failed"
-    elif not (p.job_id and _JOB_ID.match(p.job_id)) or not slurm_ok or p.reused:
+    elif not is_job_id(p.job_id) or not slurm_ok or p.reused:
         # A local run, Slurm unreachable, or no record of ours left: run.json decides.
         p.state = status.upper() or "UNKNOWN"
         p.outcome = {"completed": "completed", "failed": "failed", "stopped": "failed",
@@ -209,7 +206,7 @@ def collect(sweep_dir: Path) -> Sweep:
     if not entries:
         raise UsageError(f"{sweep_dir}: the sweep registry is empty; nothing was submitted there")
     points = [_point(e) for e in entries]
-    ids = [p.job_id for p in points if p.event != "skipped" and p.job_id and _JOB_ID.match(p.job_id)]
+    ids = [p.job_id for p in points if p.event != "skipped" and is_job_id(p.job_id)]
     confs = [e.get("slurm_conf") for e in entries if e.get("slurm_conf")]
     sweep, queue, acct = Sweep(Path(sweep_dir), points, confs[0] if confs else None), {}, {}
     env = query.slurm_env(sweep.slurm_conf)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List
 
-from spec.rundir import read_metrics, read_run_json
+from spec.rundir import read_metrics, read_run_json, steady
 
 
 def _mib(n: float) -> str:
@@ -18,13 +18,12 @@ def summary_lines(run_dir: Path) -> List[str]:
              f"strategy: {info.get('strategy', '?')}  world: {info.get('world_size', '?')} ranks on "
              f"{info.get('nodes', '?')} node(s) {','.join(info.get('hostnames', []))}"]
     if rows:
-        # Steady state: skip the first steps (startup, allocator warm-up) when there are enough.
-        steady = rows[len(rows) // 4:] if len(rows) >= 8 else rows
-        tps = sum(r["tokens_per_s"] for r in steady) / len(steady)
-        mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
+        ok = steady(rows)
+        tps = sum(r.tokens_per_s for r in ok) / len(ok)
+        mfu = [r.mfu for r in ok if r.mfu is not None]
         lines.append(f"steps: {rows[-1]['step']}  loss: {rows[0]['loss']:.4f} (step {rows[0]['step']}) -> "
                      f"{rows[-1]['loss']:.4f} (step {rows[-1]['step']})")
-        sps = sum(r["samples_per_s"] for r in steady) / len(steady)
+        sps = sum(r.samples_per_s for r in ok) / len(ok)
         mfu_text = f"{sum(mfu) / len(mfu) * 100:.1f}%" if mfu else "n/a (no peak FLOPs for this cluster)"
         lines.append(f"tokens/s: {tps:,.0f}  samples/s: {sps:,.1f}  peak mem/rank: "
                      f"{_mib(max(r['peak_mem_bytes'] for r in rows))}  mfu: {mfu_text}")

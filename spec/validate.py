@@ -1,0 +1,204 @@
+"""The rules a composed config must pass before anything is submitted (and again in the
+job, which loads the same config): choices, positive numbers and ranges, strings safe to
+put in an sbatch script or a shell line, and the cross-field checks. Every failure is one
+:class:`~spec.config.ConfigError` line naming the field, the value and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from spec.config import ConfigError, RunConfig
+
+_CHOICES = {
+    "cluster.backend": ("local", "slurm"),
+    "cluster.accelerator": ("cpu", "gpu"),
+    "strategy.engine": ("torch", "deepspeed"),
+    "strategy.data_parallel": ("ddp", "fsdp", "none"),
+    "strategy.mixed_precision": ("auto", "fp32", "bf16"),
+    "strategy.activation_checkpointing": ("none", "selective", "full"),
+    "strategy.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "data.source": ("markov", "file"),
+}
+
+_POSITIVE = (
+    "cluster.nodes", "cluster.gpus_per_node", "cluster.cpus_per_task", "cluster.time_min",
+    "model.dim", "model.n_layers", "model.n_heads", "model.vocab_size", "model.max_seq_len",
+    "model.multiple_of", "train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum",
+    "train.log_every", "train.dist_timeout_s", "strategy.pp_microbatches", "data.num_tokens",
+    "data.branching", "checkpoint.keep",
+)
+
+# Must be >= 0: 0 means "off" / "none" where the field's comment says so; null is skipped.
+_NON_NEGATIVE = (
+    "cluster.signal_delay_s", "cluster.max_requeues", "cluster.hang_timeout_s", "cluster.nvlink_domain",
+    "cluster.mem_gb", "checkpoint.every_steps", "checkpoint.every_minutes", "optim.warmup_steps",
+    "optim.weight_decay", "optim.grad_clip", "data.seed", "fault.step_delay_s", "fault.kill_in_save_at_step",
+    "fault.hang_at_step", "fault.hang_s", "fault.raise_at_step", "fault.slow_async_save_s", "train.gc_every_steps",
+)
+
+# Must be > 0 (and finite): a zero or negative value is meaningless or divides by zero.
+_POSITIVE_REAL = ("optim.lr", "optim.eps", "model.norm_eps", "model.rope_theta", "model.ffn_dim_multiplier")
+
+# null = unknown / derived; otherwise > 0.
+_OPTIONAL_POSITIVE = ("cluster.peak_tflops_bf16", "cluster.gpu_mem_gb", "cluster.intra_node_gbps",
+                      "cluster.inter_node_gbps", "model.n_kv_heads")
+
+# field: (low, high, high included)
+_RANGES = {
+    "optim.beta1": (0.0, 1.0, False),
+    "optim.beta2": (0.0, 1.0, False),
+    "optim.min_lr_ratio": (0.0, 1.0, True),
+}
+
+# Characters that end a line of the sbatch script (C0/C1 controls: newline, CR, tab, ...,
+# and Unicode line/paragraph separators); none is ever sensible in a name or a path.
+_CONTROL = frozenset(map(chr, [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029]))
+
+# Shell lines by design (each item may hold several lines): not checked, see validate().
+_SHELL_FIELDS = ("cluster.setup",)
+
+# Fields written into `#SBATCH --flag=VALUE` lines (model and strategy name the default job
+# name). sbatch's own parser of those lines treats a backslash as an escape even inside
+# quotes, so the value Slurm sees would differ from the one configured.
+_SBATCH_FIELDS = ("launcher.job_name", "model.name", "strategy.name", "cluster.partition", "cluster.account",
+                  "cluster.qos", "cluster.constraint", "cluster.exclude")
+
+# Directories the job's log paths (--output/--error) are made under: Slurm expands %j, %t,
+# ... there, and a backslash turns that expansion off, so the logs would land elsewhere.
+_LOG_DIR_FIELDS = ("launcher.root", "launcher.run_dir")
+
+# Slurm host lists, e.g. "node[1-3,7],gpu12".
+_HOSTLIST_FIELDS = ("cluster.exclude",)
+_HOSTLIST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.,[]")
+
+# The hang watchdog checks once a second and, once it fires, waits 3 s for every rank to
+# dump its stack (train/harness/watchdog.py): it needs this much before the collective timeout.
+WATCHDOG_GRACE_S = 5
+
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _finite(value: float) -> bool:
+    return value == value and abs(value) != float("inf")  # NaN != NaN
+
+
+def _strings(obj: Any, prefix: str):
+    """(dotted field, value) of every string in the config, env values included."""
+    for f in dataclasses.fields(obj):
+        key, value = prefix + f.name, getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _strings(value, key + ".")
+        elif key in _SHELL_FIELDS:
+            continue
+        elif isinstance(value, str):
+            yield key, value
+        elif isinstance(value, dict):
+            yield from ((f"{key}.{k}", v) for k, v in value.items() if isinstance(v, str))
+        elif isinstance(value, (list, tuple)):
+            yield from ((f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, str))
+
+
+def _check_strings(cfg: RunConfig) -> None:
+    for name in cfg.cluster.env:
+        if not (isinstance(name, str) and name.isascii() and name.isidentifier()):
+            raise ConfigError(f"cluster.env has the variable name {name!r}, which is not a shell identifier; "
+                              "use letters, digits and _ only, not starting with a digit (e.g. NCCL_DEBUG)")
+    for key, value in _strings(cfg, ""):
+        bad = next((ch for ch in value if ch in _CONTROL), None)
+        if bad is not None:
+            raise ConfigError(f"{key}={value!r} contains the control character {bad!r}, which would split a "
+                              "line of the sbatch script; remove it")
+    for key in _SBATCH_FIELDS:
+        value = _get(cfg, key)
+        if value and "\\" in value:
+            raise ConfigError(f"{key}={value!r} contains a backslash, which sbatch's #SBATCH parser drops "
+                              "(it escapes the next character); remove it")
+    for key in _LOG_DIR_FIELDS:
+        value = _get(cfg, key)
+        bad = next((ch for ch in value or "" if ch in "%\\"), None)
+        if bad is not None:
+            raise ConfigError(f"{key}={value!r} contains {bad!r}: Slurm expands %j, %t, ... in the job's log "
+                              "paths under it (a backslash turns that off), so the logs would land elsewhere; "
+                              "pick a directory without % or \\")
+    for key in _HOSTLIST_FIELDS:
+        value = _get(cfg, key)
+        if value and not set(value) <= _HOSTLIST_CHARS:
+            raise ConfigError(f"{key}={value!r} is not a Slurm host list (letters, digits, - _ . , [ ] only); "
+                              f"write it like {key}='node[3-4],gpu7'")
+
+
+def _check_numbers(cfg: RunConfig) -> None:
+    for key in _POSITIVE:
+        value = _get(cfg, key)
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1; set {key}=1 or more")
+    for key in _NON_NEGATIVE:
+        value = _get(cfg, key)
+        if value is not None and not (_finite(value) and value >= 0):
+            raise ConfigError(f"{key}={value} must be >= 0; set e.g. {key}={_get(RunConfig(), key) or 0}")
+    for key in _POSITIVE_REAL:
+        value = _get(cfg, key)
+        if not (_finite(value) and value > 0):
+            raise ConfigError(f"{key}={value} must be a positive number; set e.g. {key}={_get(RunConfig(), key)}")
+    for key in _OPTIONAL_POSITIVE:
+        value = _get(cfg, key)
+        if value is not None and not (_finite(value) and value > 0):
+            raise ConfigError(f"{key}={value} must be > 0 or null; set a positive value or {key}=null")
+    for key, (low, high, closed) in _RANGES.items():
+        value = _get(cfg, key)
+        if not (_finite(value) and low <= value and (value <= high if closed else value < high)):
+            interval = f"[{low}, {high}{']' if closed else ')'}"
+            raise ConfigError(f"{key}={value} must be in {interval}; set e.g. {key}={_get(RunConfig(), key)}")
+    for key, allowed in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them")
+    hang, dist = cfg.cluster.hang_timeout_s, cfg.train.dist_timeout_s
+    if hang > 0 and hang + WATCHDOG_GRACE_S > dist:
+        raise ConfigError(f"cluster.hang_timeout_s={hang} must be at most train.dist_timeout_s - "
+                          f"{WATCHDOG_GRACE_S} = {dist - WATCHDOG_GRACE_S}: the collective timeout "
+                          f"(train.dist_timeout_s={dist}) would abort the job before the hang watchdog names the "
+                          f"stuck ranks (it needs ~{WATCHDOG_GRACE_S} s to dump every rank's stack); lower "
+                          "cluster.hang_timeout_s (0 disables it) or raise train.dist_timeout_s")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check field values that do not depend on the layout; raise ConfigError (one line:
+    field, value, fix).
+
+    Strings: every string field (env values included) is refused if it holds a control
+    character (newline, CR, tab, ...): one in a value written into the sbatch script would
+    start a new line there, e.g. an injected ``#SBATCH`` directive. ``cluster.env`` keys
+    must be shell identifiers; fields written into ``#SBATCH`` lines may not hold a
+    backslash (sbatch's parser drops it); ``launcher.root``/``launcher.run_dir`` may not
+    hold ``%`` or a backslash (Slurm's log path patterns); ``cluster.exclude`` is a host
+    list. Everything else (spaces, quotes, ``$()``, ``;``, unicode) is allowed: the
+    renderer shell-quotes it. ``cluster.setup`` is NOT checked: its items are shell lines
+    by design, run as written before srun (an item may hold several lines); whoever writes
+    the config runs them, so quote inside them yourself.
+    """
+    _check_strings(cfg)
+    _check_numbers(cfg)
+    m = cfg.model
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "
+                          "pick n_heads dividing dim")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"model head dim {m.dim // m.n_heads} (model.dim={m.dim} / model.n_heads={m.n_heads}) "
+                          "must be even for RoPE; pick n_heads so that dim/n_heads is even")
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % kv:
+        raise ConfigError(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}; "
+                          f"pick a divisor of {m.n_heads} (or null for {m.n_heads})")
+    if cfg.train.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+                          f"use train.seq_len<={m.max_seq_len}")
+    if cfg.data.source == "file" and not cfg.data.path:
+        raise ConfigError(f"data.source=file needs a token file but data.path={cfg.data.path!r}; "
+                          "set data.path=PATH to a binary token file")
