@@ -14,22 +14,30 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from launcher import app
+from launcher.launch import Session, run_point
 from launcher.overrides import check_overrides
 from launcher.provenance import register_resolvers
 from spec.config import ConfigError, register_configs
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def _hydra_entry(dcfg: DictConfig) -> None:
-    hc = HydraConfig.get()
-    multirun = hc.mode == RunMode.MULTIRUN
-    label = f"#{hc.job.num} " + (" ".join(hc.overrides.task) or "defaults") if multirun else \
-        (" ".join(hc.overrides.task) or "defaults")
-    code = app.run_point(dcfg, Path(hc.runtime.output_dir).resolve(), multirun, label, list(hc.overrides.task))
-    if not multirun and code:
-        sys.exit(code)
-    app.STATE.exit_code = max(app.STATE.exit_code, 0 if code == 2 else code)
+def _task_function(session: Session):
+    """Hydra's task function for this invocation: one point (a single run, or a sweep under
+    another Hydra launcher). Our sweep launcher reads ``.session`` instead of calling it."""
+
+    def task(dcfg: DictConfig) -> None:
+        hc = HydraConfig.get()
+        session.multirun = session.multirun or hc.mode == RunMode.MULTIRUN  # also hydra.mode=MULTIRUN
+        overrides = list(hc.overrides.task)
+        label = " ".join(overrides) or "defaults"
+        if session.multirun:
+            label = f"#{hc.job.num} {label}"
+        code = run_point(session, dcfg, Path(hc.runtime.output_dir).resolve(), label, overrides)
+        if not session.multirun and code:
+            sys.exit(code)
+        session.done(code)
+
+    task.session = session  # type: ignore[attr-defined]
+    return task
 
 
 def _plugin_importable() -> None:
@@ -57,22 +65,20 @@ def main() -> None:
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(2)
-    _hydra_entry()
+    session = Session(multirun=multirun)
+    hydra.main(version_base="1.3", config_path="../conf", config_name="config")(_task_function(session))()
     if not multirun:
         return
-    state = app.STATE
-    if not state.accepted and state.skipped:
-        print(f"error: every point was skipped ({len(state.skipped)}); nothing submitted", file=sys.stderr)
+    if not session.accepted and session.skipped:
+        print(f"error: every point was skipped ({len(session.skipped)}); nothing submitted", file=sys.stderr)
         sys.exit(2)
-    wait = any(a.startswith("launcher.wait=") and a.split("=", 1)[1].lower() in ("true", "1", "yes")
-               for a in args)
-    if wait and state.submitted:
+    if session.wait and session.submitted:
         from launcher.track.progress import wait_sweep
 
-        state.exit_code = max(state.exit_code, wait_sweep(state.submitted[0][1].parent, poll_s=1.0))
-    if state.skipped:
-        print(f"{len(state.submitted)} submitted, {len(state.skipped)} skipped", file=sys.stderr)
-    sys.exit(state.exit_code)
+        session.exit_code = max(session.exit_code, wait_sweep(session.submitted[0][1].parent, poll_s=1.0))
+    if session.skipped:
+        print(f"{len(session.submitted)} submitted, {len(session.skipped)} skipped", file=sys.stderr)
+    sys.exit(session.exit_code)
 
 
 if __name__ == "__main__":

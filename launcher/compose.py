@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from launcher.app import run_config
+from launcher.checks import run_config
 from spec.config import RunConfig
 
 # Value overrides that feed the sweep directory's resolver (conf/config.yaml).

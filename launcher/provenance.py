@@ -7,7 +7,6 @@ Hydra's job number. Re-running the same command therefore finds the same directo
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import platform
@@ -73,10 +72,13 @@ def _git(*args: str) -> str:
     return proc.stdout if proc.returncode == 0 else ""
 
 
-@functools.lru_cache(maxsize=None)
-def _code_state() -> Tuple[str, str, Tuple[str, ...]]:
-    """git commit, diff and package versions, once per process: every point of a sweep
-    runs the same checkout (two git calls per point were ~26 ms of a sweep's time)."""
+CodeState = Tuple[str, str, Tuple[str, ...]]
+
+
+def code_state() -> CodeState:
+    """git commit, diff and package versions. A launch asks once (its session keeps the
+    answer): every point of a sweep runs the same checkout (two git calls per point were
+    ~26 ms of a sweep's time)."""
     commit = _git("rev-parse", "HEAD").strip() or "unknown"
     diff = _git("diff", "HEAD")
     versions = []
@@ -93,9 +95,9 @@ def _code_state() -> Tuple[str, str, Tuple[str, ...]]:
     return commit, diff, tuple(versions)
 
 
-def write_provenance(run_dir: Path) -> None:
+def write_provenance(run_dir: Path, state: CodeState) -> None:
     """git commit (+ diff when dirty) and an environment summary, for reproducibility."""
-    commit, diff, versions = _code_state()
+    commit, diff, versions = state
     (run_dir / "git_commit.txt").write_text(commit + "\n")
     if diff:
         (run_dir / "git_diff.patch").write_text(diff)

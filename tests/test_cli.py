@@ -95,7 +95,7 @@ def test_rerun_never_doubles_a_queued_run(tmp_path, status):
     """Re-running the command of a run whose job is still queued (pending its next segment
     after a requeue included) submits nothing; a job that left the queue is started again."""
     from helpers import compose_run
-    from launcher.app import already_done
+    from launcher.checks import already_done
     from spec.rundir import update_run_json
 
     cfg = compose_run(["+cluster=localslurm"])
@@ -107,3 +107,18 @@ def test_rerun_never_doubles_a_queued_run(tmp_path, status):
         assert already_done(cfg, tmp_path, None, queued={"123": "COMPLETING"}) is None
     update_run_json(tmp_path, status="completed")
     assert already_done(cfg, tmp_path, None, queued={}) == "already completed"
+
+
+@pytest.mark.parametrize("time_min,delay,warned", [(1, 30, True), (2, 60, True), (2, 30, False), (10, 120, False)])
+def test_a_signal_that_may_come_during_start_up_is_warned_of(tmp_path, time_min, delay, warned):
+    """Slurm may send --signal's warning up to 60 s early: when signal_delay_s + 60 s reaches
+    the time limit, the launch still goes ahead but says so, naming both fields."""
+    proc = launcher(["+cluster=h100x8", f"cluster.time_min={time_min}", f"cluster.signal_delay_s={delay}",
+                     "launcher.dry_run=true"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
+    if warned:
+        assert len(lines) == 1, proc.stderr
+        assert f"cluster.signal_delay_s={delay}" in lines[0] and f"cluster.time_min={time_min}" in lines[0]
+    else:
+        assert not lines, proc.stderr

@@ -155,16 +155,19 @@ def test_recommendation_follows_decision_tree_at_the_ends():
 
 
 def test_check_fits():
+    def fits(cfg):
+        check_fits(cfg, build_layout(cfg))
+
     with pytest.raises(ConfigError) as exc:
-        check_fits(compose_run(["+cluster=a100x8", "+model=llama3_70b"]))
+        fits(compose_run(["+cluster=a100x8", "+model=llama3_70b"]))
     line = str(exc.value)
     assert "\n" not in line and "cluster.gpu_mem_gb=80" in line and "launcher.allow_oom=true" in line
-    check_fits(compose_run(["+cluster=local", "+model=llama3_70b"]))  # no gpu_mem_gb: no check
-    check_fits(compose_run(["+cluster=a100x8"]))                       # tiny fits
+    fits(compose_run(["+cluster=local", "+model=llama3_70b"]))  # no gpu_mem_gb: no check
+    fits(compose_run(["+cluster=a100x8"]))                       # tiny fits
     cfg = compose_run(["+cluster=a100x8", "+model=llama3_70b"])
     cfg.launcher = dataclasses.replace(cfg.launcher)
     object.__setattr__(cfg.launcher, "allow_oom", True)
-    check_fits(cfg)
+    fits(cfg)
 
 
 def test_json_contract_for_every_preset():

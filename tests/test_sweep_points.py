@@ -8,7 +8,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from helpers import strategy_options
-from launcher import app
+from launcher.checks import run_config
+from launcher.launch import config_yaml
 from launcher.overrides import CONF_DIR, group_options
 from spec.config import to_run_config, to_yaml
 
@@ -29,9 +30,9 @@ def test_typed_conversion_equals_the_schema_merge(overrides):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         dcfg = compose("config", overrides=overrides)
-    cfg = app.run_config(dcfg)
+    cfg = run_config(dcfg)
     assert cfg == to_run_config(dcfg)
-    assert app.config_yaml(cfg) == to_yaml(cfg)
+    assert config_yaml(cfg, {}) == to_yaml(cfg)
 
 
 SWEEP = [["+cluster=localslurm", "cluster.nodes=2", "train.seed=3"],

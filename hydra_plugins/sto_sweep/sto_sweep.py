@@ -33,16 +33,24 @@ class StoLauncher(Launcher):
     def __init__(self) -> None:
         self.config: Optional[DictConfig] = None
         self.hydra_context: Optional[HydraContext] = None
+        self.session = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.config, self.hydra_context = config, hydra_context  # task_function: not called per point
+        # task_function is not called per point; it carries the CLI's session (launcher.__main__)
+        self.config, self.hydra_context = config, hydra_context
+        self.session = getattr(task_function, "session", None)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from launcher import sweep  # lazy: plugin discovery stays fast for every Hydra command
 
         if self.config is None or self.hydra_context is None:
             raise RuntimeError("StoLauncher.launch() before setup()")
-        points = sweep.launch(self.config, self.hydra_context.config_loader, job_overrides, initial_job_idx)
+        if self.session is None:  # a task function that is not launcher's: a session of its own
+            from launcher.launch import Session
+
+            self.session = Session(multirun=True)
+        points = sweep.launch(self.session, self.config, self.hydra_context.config_loader, job_overrides,
+                              initial_job_idx)
         return [JobReturn(overrides=list(p.overrides), working_dir=str(p.run_dir), task_name="launcher",
                           status=JobStatus.COMPLETED, _return_value=p.code) for p in points]
 

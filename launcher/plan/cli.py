@@ -188,14 +188,13 @@ def recommend_table(cands: List[Candidate], top: int, cfg: RunConfig, global_bat
     return lines
 
 
-def check_fits(cfg: RunConfig) -> None:
-    """Raise ConfigError (one line) when ``cfg`` is predicted not to fit its GPUs.
+def check_fits(cfg: RunConfig, layout: Layout) -> None:
+    """Raise ConfigError (one line) when ``cfg`` on ``layout`` is predicted not to fit its GPUs.
 
     Skipped when cluster.gpu_mem_gb is null (CPU and unknown clusters) or when
     ``launcher.allow_oom`` is true."""
     if not cfg.cluster.gpu_mem_gb or cfg.launcher.allow_oom:
         return
-    layout = build_layout(cfg)
     mem = estimate(cfg, layout)
     if mem.fits:
         return

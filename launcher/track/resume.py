@@ -10,7 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from launcher import app
+from launcher.checks import already_done, check
+from launcher.launch import Point, start
 from launcher.track.summary import summary_lines
 from slurm.env import expand_hostlist
 from spec.config import ConfigError, to_run_config, to_yaml
@@ -50,13 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = to_run_config(run_dir / CONFIG)
         exclude_failed_nodes(cfg, run_dir)
-        layout, slurm_conf = app.check(cfg)
+        layout, slurm_conf = check(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    reason = app.already_done(cfg, run_dir, slurm_conf)
+    reason = already_done(cfg, run_dir, slurm_conf)
     if reason:
         print(f"{reason}; nothing submitted")
         print("\n".join(summary_lines(run_dir)))
         return 0
-    return app.launch(cfg, layout, run_dir, slurm_conf, label=f"resume {run_dir.name}", wait=args.wait)
+    point = Point(cfg, layout, run_dir, slurm_conf, label=f"resume {run_dir.name}", overrides=[], multirun=False)
+    return start(None, point, wait=args.wait)

@@ -1,0 +1,90 @@
+"""Every check of a composed point that needs no submission: schema, layout, support
+matrix, memory (the planner), Slurm reachable, and whether the run needs starting at all.
+
+A failed check raises :class:`~spec.config.ConfigError` (one line: field, value, fix);
+the caller refuses the point. Nothing here writes files or submits.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+from launcher import submit
+from launcher.plan.cli import check_fits
+from slurm import query
+from slurm.states import is_job_id
+from spec.config import RunConfig, to_run_config
+from spec.layout import Layout, build_layout
+from spec.rundir import Status, read_run_json, status_of
+from spec.support import check_supported
+from spec.validate import validate
+
+# Slurm may send --signal's warning up to this much earlier than asked (periodic timer;
+# sbatch(1) says 60 s).
+SIGNAL_SLACK_S = 60
+
+
+def run_config(dcfg) -> RunConfig:
+    """Hydra's composed config -> RunConfig dataclasses.
+
+    conf/config.yaml is built on the registered ``run_schema``, so Hydra's DictConfig is
+    already typed and checked field by field: ``to_object`` builds the dataclasses at once
+    (~1.5 ms). ``to_run_config`` merges a fresh structured schema first (~40 ms a point);
+    it stays for YAML files and untyped mappings.
+    """
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(dcfg) and OmegaConf.get_type(dcfg) is RunConfig:
+        obj = OmegaConf.to_object(dcfg)
+        if isinstance(obj, RunConfig):
+            return obj
+    return to_run_config(dcfg)
+
+
+def check(cfg: RunConfig) -> Tuple[Layout, Optional[str]]:
+    """Every check that needs no submission; returns the layout and the slurm.conf to use."""
+    validate(cfg)
+    layout = build_layout(cfg)
+    check_supported(cfg, layout)
+    check_fits(cfg, layout)  # the planner: refuse what is predicted not to fit (launcher.allow_oom=true overrides)
+    slurm_conf = None
+    if cfg.cluster.backend == "slurm" and not cfg.launcher.dry_run:
+        slurm_conf = submit.resolve_slurm_conf(cfg)
+        submit.check_slurm(cfg, slurm_conf)
+    warning = signal_warning(cfg)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    return layout, slurm_conf
+
+
+def signal_warning(cfg: RunConfig) -> Optional[str]:
+    """A time limit so short that the warning signal may come during start-up, or None."""
+    c = cfg.cluster
+    if c.backend != "slurm" or c.signal_delay_s + SIGNAL_SLACK_S < c.time_min * 60:
+        return None
+    return (f"cluster.signal_delay_s={c.signal_delay_s} + {SIGNAL_SLACK_S} s (Slurm may signal that much earlier) "
+            f"reaches cluster.time_min={c.time_min} ({c.time_min * 60} s): the job may be signalled while it starts; "
+            f"raise cluster.time_min or lower cluster.signal_delay_s")
+
+
+def already_done(cfg: RunConfig, run_dir: Path, slurm_conf: Optional[str],
+                 queued: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """A reason not to start this run again, or None. ``queued``: squeue's answer for many
+    runs at once (job id -> state), asked by the caller; None asks squeue here."""
+    info = read_run_json(run_dir)
+    status = status_of(info)
+    if status is Status.COMPLETED:
+        return "already completed"
+    job = str(info.get("job_id", ""))
+    # Any unfinished status may still be queued: "requeued" / "interrupted" ones wait in
+    # the queue for their next segment under the same job id. A run that ended ("failed",
+    # "stopped") is restarted even while its job is still completing in the queue.
+    if cfg.cluster.backend == "slurm" and not (status and status.ended) and is_job_id(job):
+        try:
+            found = job in queued if queued is not None else bool(query.squeue([job], query.slurm_env(slurm_conf)))
+        except query.SlurmUnavailable:
+            return None
+        if found:
+            return f"already in the queue as job {job}"
+    return None
