@@ -73,7 +73,7 @@ def main() -> None:
         print(f"error: every point was skipped ({len(session.skipped)}); nothing submitted", file=sys.stderr)
         sys.exit(2)
     if session.wait and session.submitted:
-        from launcher.track.progress import wait_sweep
+        from launcher.track.report import wait_sweep
 
         session.exit_code = max(session.exit_code, wait_sweep(session.submitted[0][1].parent, poll_s=1.0))
     if session.skipped:

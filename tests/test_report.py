@@ -260,12 +260,12 @@ def test_report_files_from_synthetic_run_dirs(tmp_path, monkeypatch):
 def test_wait_sweep_returns_1_when_a_point_failed_and_writes_the_report(tmp_path, monkeypatch, capsys):
     sweep, fake = build_sweep(tmp_path)
     monkeypatch.setattr(query, "_run", fake)
-    assert progress.wait_sweep(sweep, poll_s=0) == 1
+    assert report.wait_sweep(sweep, poll_s=0) == 1
     assert "scaling report" in capsys.readouterr().out and (sweep / "report.csv").exists()
     fake.acct.pop("302")
     (sweep / "registry.jsonl").write_text("".join(line + "\n" for line in (sweep / "registry.jsonl").read_text()
                                                   .splitlines() if '"point": "2"' not in line))
-    assert progress.wait_sweep(sweep, poll_s=0) == 0  # every submitted point completed; skipped ones do not count
+    assert report.wait_sweep(sweep, poll_s=0) == 0  # every submitted point completed; skipped ones do not count
 
 
 def test_readers_import_no_torch():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, launcher
-from launcher.track import progress
+from launcher.track import report
 from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -70,7 +70,7 @@ def test_sweep_report_status_and_a_cancelled_point(tmp_path, slurm_cluster, monk
     cancel = module("cancel", [str(doomed), "0"], tmp_path, env)
     assert cancel.returncode == 0 and "cancelled job" in cancel.stdout, cancel.stdout + cancel.stderr
     monkeypatch.setenv("SLURM_CONF", env["SLURM_CONF"])
-    assert progress.wait_sweep(doomed, poll_s=0.5) == 1  # finished, not completed
+    assert report.wait_sweep(doomed, poll_s=0.5) == 1  # finished, not completed
     with open(doomed / "report.csv") as f:
         (failed,) = list(csv.DictReader(f))
     assert failed["outcome"] == "failed" and failed["state"] == "CANCELLED", failed

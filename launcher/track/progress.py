@@ -6,11 +6,10 @@ interval whatever the number of points.
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-from launcher.track.status import Sweep, UsageError, collect, console
+from launcher.track.status import Sweep, collect, console
 
 
 def describe(sweep: Sweep) -> str:
@@ -39,26 +38,3 @@ def wait_until_finished(sweep_dir: Path, poll_s: float = 2.0, out=None) -> Sweep
             done = sum(p.finished for p in sweep.points)
             bar.update(task, completed=done, description=describe(sweep))
     return sweep
-
-
-def wait_sweep(sweep_dir: Path, poll_s: float = 2.0) -> int:
-    """Wait for every point, write the report files, print the report table.
-
-    Returns 0 only when every submitted point completed (skipped points were reported
-    at submission and do not count), 1 otherwise, 2 for a sweep directory without a
-    registry, 130 when interrupted (the jobs keep running).
-    """
-    from launcher.track import report
-
-    out = console()
-    try:
-        sweep = wait_until_finished(Path(sweep_dir), poll_s, out)
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"stopped waiting; the jobs go on: python -m launcher.status {sweep_dir}", file=sys.stderr)
-        return 130
-    report.publish(sweep, out)
-    ran = [p for p in sweep.points if p.outcome != "skipped"]
-    return 0 if ran and all(p.outcome == "completed" for p in ran) else 1

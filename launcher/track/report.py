@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from launcher.track.progress import wait_until_finished
 from launcher.track.scaling import efficiency, point_metrics, scaling_kind, series_labels, slurm_time
 from launcher.track.status import Point, Sweep, UsageError, collect, console, resolve_sweep_dir
 
@@ -210,6 +211,27 @@ def table(rows: List[Dict[str, Any]], title: str = "scaling report"):
     return t
 
 
+def wait_sweep(sweep_dir: Path, poll_s: float = 2.0) -> int:
+    """Wait for every point, write the report files, print the report table.
+
+    Returns 0 only when every submitted point completed (skipped points were reported
+    at submission and do not count), 1 otherwise, 2 for a sweep directory without a
+    registry, 130 when interrupted (the jobs keep running).
+    """
+    out = console()
+    try:
+        sweep = wait_until_finished(Path(sweep_dir), poll_s, out)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"stopped waiting; the jobs go on: python -m launcher.status {sweep_dir}", file=sys.stderr)
+        return 130
+    publish(sweep, out)
+    ran = [p for p in sweep.points if p.outcome != "skipped"]
+    return 0 if ran and all(p.outcome == "completed" for p in ran) else 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.report", description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", nargs="?", help="sweep directory (default: newest under runs/multirun)")
@@ -223,8 +245,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if sweep is None:
-        from launcher.track.progress import wait_sweep
-
         code = wait_sweep(sweep_dir, args.poll)
         return 0 if code == 1 else code  # 1 = some point failed: the report says which, it was written
     publish(sweep, console())
