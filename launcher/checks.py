@@ -14,7 +14,7 @@ from launcher import submit
 from launcher.plan.cli import check_fits
 from slurm import query
 from slurm.states import is_job_id
-from spec.config import RunConfig, to_run_config
+from spec.config import RunConfig
 from spec.layout import Layout, build_layout
 from spec.rundir import Status, read_run_json, status_of
 from spec.support import check_supported
@@ -23,23 +23,6 @@ from spec.validate import validate
 # Slurm may send --signal's warning up to this much earlier than asked (periodic timer;
 # sbatch(1) says 60 s).
 SIGNAL_SLACK_S = 60
-
-
-def run_config(dcfg) -> RunConfig:
-    """Hydra's composed config -> RunConfig dataclasses.
-
-    conf/config.yaml is built on the registered ``run_schema``, so Hydra's DictConfig is
-    already typed and checked field by field: ``to_object`` builds the dataclasses at once
-    (~1.5 ms). ``to_run_config`` merges a fresh structured schema first (~40 ms a point);
-    it stays for YAML files and untyped mappings.
-    """
-    from omegaconf import OmegaConf
-
-    if OmegaConf.is_config(dcfg) and OmegaConf.get_type(dcfg) is RunConfig:
-        obj = OmegaConf.to_object(dcfg)
-        if isinstance(obj, RunConfig):
-            return obj
-    return to_run_config(dcfg)
 
 
 def check(cfg: RunConfig) -> Tuple[Layout, Optional[str]]:

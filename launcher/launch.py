@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 from launcher import local, submit
-from launcher.checks import already_done, check, run_config
+from launcher.checks import already_done, check
+from launcher.compose import run_config
 from launcher.provenance import CodeState, code_state, write_provenance
 from launcher.track import registry
 from launcher.track.summary import summary_lines

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from helpers import strategy_options
-from launcher.checks import run_config
+from launcher.compose import run_config
 from launcher.launch import config_yaml
 from launcher.overrides import CONF_DIR, group_options
 from spec.config import to_run_config, to_yaml

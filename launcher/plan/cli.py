@@ -17,15 +17,15 @@ the launcher's gate before submission. Pure: no torch import (see docs/planner.m
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import sys
 from typing import Dict, List, Optional, Tuple
 
 from launcher.plan.costmodel import MFU, Candidate, StepTime, candidates, step_time
 from launcher.plan.memory import GB, Memory, compute_bytes, estimate
+from launcher.compose import PointComposer, expand, standalone
 from launcher.overrides import CONF_DIR, check_overrides, group_options
-from spec.config import ConfigError, RunConfig, to_run_config
+from spec.config import ConfigError, RunConfig
 from spec.validate import validate
 from spec.layout import Layout, build_layout
 from spec.model_size import count_params
@@ -67,24 +67,18 @@ def parse_plan_args(args: List[str]) -> Tuple[Dict[str, object], List[str]]:
     return opts, rest
 
 
+def compose_with(composer: PointComposer, overrides: List[str]) -> RunConfig:
+    """conf/ + overrides -> RunConfig, composed as ``python -m launcher ... -m`` composes a point."""
+    point = composer.point(0, overrides)
+    if point.error is not None:
+        raise ConfigError(f"cannot compose {' '.join(overrides)!r}: {point.error}")
+    return point.cfg
+
+
 def compose(overrides: List[str]) -> RunConfig:
-    """conf/ + overrides -> RunConfig, as the launcher composes (Hydra's compose API)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from launcher.provenance import register_resolvers
-    from spec.config import register_configs
-
-    register_configs()
-    register_resolvers()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return to_run_config(hydra_compose("config", overrides=overrides))
-    except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(f"cannot compose {' '.join(overrides)!r}: {str(exc).strip().splitlines()[0]}") from None
+    """One config (benches and scripts); the planner itself keeps one composer for all points."""
+    with standalone(CONF_DIR) as composer:
+        return compose_with(composer, overrides)
 
 
 def plan_one(cfg: RunConfig, mfu: float = MFU) -> Tuple[Layout, Memory, Optional[StepTime]]:
@@ -218,26 +212,12 @@ def check_fits(cfg: RunConfig, layout: Layout) -> None:
         f"or launcher.allow_oom=true to submit anyway")
 
 
-def sweep_points(args: List[str]) -> List[List[str]]:
-    """The override lists of a sweep (``cluster.nodes=1,2,4 -m``): one per combination."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    choices = []
-    for o in OverridesParser.create().parse_overrides(overrides=args):
-        if not o.is_sweep_override():
-            choices.append([o.input_line])
-            continue
-        prefix = "++" if o.is_force_add() else "+" if o.is_add() else ""
-        choices.append([f"{prefix}{o.key_or_group}={v}" for v in o.sweep_string_iterator()])
-    return [list(point) for point in itertools.product(*choices)]
-
-
-def plan_point(overrides: List[str], opts: Dict[str, object]):
+def plan_point(composer: PointComposer, overrides: List[str], opts: Dict[str, object]):
     """(rows of (name, cfg, plan or ConfigError), base config, global batch, candidates)."""
     given = any(a.lstrip("+").startswith("strategy=") for a in overrides)
     rows = []
     for name in [None] if given else group_options("strategy"):
-        cfg = compose(overrides if name is None else [f"+strategy={name}", *overrides])
+        cfg = compose_with(composer, overrides if name is None else [f"+strategy={name}", *overrides])
         validate(cfg)  # field errors are the user's, whatever the strategy: exit 2
         try:
             rows.append((cfg.strategy.name, cfg, plan_one(cfg, float(opts["mfu"]))))
@@ -257,31 +237,37 @@ def run(args: List[str]) -> int:
     multirun = any(a in ("-m", "--multirun") for a in rest)
     rest = [a for a in rest if a not in ("-m", "--multirun")]
     check_overrides(rest, multirun)
-    points = sweep_points(rest) if multirun else [rest]
+    points = expand(rest) if multirun else [rest]
     out: List[Dict[str, object]] = []
-    for i, point in enumerate(points):
-        rows, base, batch, cands = plan_point(point, opts)
-        tag = {"point": " ".join(point)} if multirun else {}
-        if opts["format"] == "json":
-            if opts["recommend"]:
-                out += [to_json(k.cfg, k.layout, k.memory, k.time) | {"overrides": k.overrides()} | tag
-                        for k in cands[:int(opts["top"])]]
-                continue
-            out += [to_json(cfg, *res) | tag for _, cfg, res in rows if not isinstance(res, ConfigError)]
-            for name, _, res in rows:
-                if isinstance(res, ConfigError):
-                    print(f"skipped strategy {name}: {res}", file=sys.stderr)
-            continue
-        if multirun:
-            print(f"{chr(10) if i else ''}== {' '.join(point)}")
-        print(header_line(base))
-        print("\n".join(strategy_table(rows)))
-        if opts["top"]:
-            print()
-            print("\n".join(recommend_table(cands, int(opts["top"]), base, batch)))
+    with standalone(CONF_DIR) as composer:
+        for i, point in enumerate(points):
+            out += _plan_and_print(composer, i, point, opts, multirun)
     if opts["format"] == "json":
         print(json.dumps(out, indent=1))
     return 0
+
+
+def _plan_and_print(composer: PointComposer, i: int, point: List[str], opts: Dict[str, object],
+                    multirun: bool) -> List[Dict[str, object]]:
+    """Print one point's tables (text format), or return its JSON rows (json format)."""
+    rows, base, batch, cands = plan_point(composer, point, opts)
+    tag = {"point": " ".join(point)} if multirun else {}
+    if opts["format"] == "json":
+        if opts["recommend"]:
+            return [to_json(k.cfg, k.layout, k.memory, k.time) | {"overrides": k.overrides()} | tag
+                    for k in cands[:int(opts["top"])]]
+        for name, _, res in rows:
+            if isinstance(res, ConfigError):
+                print(f"skipped strategy {name}: {res}", file=sys.stderr)
+        return [to_json(cfg, *res) | tag for _, cfg, res in rows if not isinstance(res, ConfigError)]
+    if multirun:
+        print(f"{chr(10) if i else ''}== {' '.join(point)}")
+    print(header_line(base))
+    print("\n".join(strategy_table(rows)))
+    if opts["top"]:
+        print()
+        print("\n".join(recommend_table(cands, int(opts["top"]), base, batch)))
+    return []
 
 
 def main() -> None:
