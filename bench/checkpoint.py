@@ -129,7 +129,7 @@ def worker(rank: int, world: int, port: int, work: str, dim: int, layers: int, r
     import torch
     import torch.distributed as dist
 
-    from train.checkpoint.manager import Checkpointer
+    from train.checkpoint import Checkpointer
     from spec.config import RunConfig
     from train.harness.dist import init_distributed, shutdown
     from spec.layout import build_layout

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,14 +19,16 @@ def _rank(rank: int, world: int, port: int, root: str) -> None:
 
     import torch.distributed as dist
 
-    from train.checkpoint.manager import Checkpointer
+    from train.checkpoint import Checkpointer
+    from train.strategies.base import DCPState
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     module = torch.nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(module.parameters())
     module(torch.ones(2, 8)).sum().backward()
     optimizer.step()
-    engine = SimpleNamespace(module=module, optimizer=optimizer)
+    engine = DCPState()  # the engine protocol's DCP side: model + optimizer state
+    engine.module, engine.optimizer = module, optimizer
     ckpt = Checkpointer(Path(root), rank, keep=3)
     ckpt.save(engine, 1, {"loader": {}}, blocking=False)
     if rank == 1:  # this rank's loop polled after the write finished; rank 0's had not yet
