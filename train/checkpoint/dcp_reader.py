@@ -17,9 +17,10 @@ import os
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+from torch.futures import Future
 
 from train.checkpoint.manifest import CorruptCheckpoint, Sums, crc32, file_crc32
 
@@ -139,14 +140,118 @@ def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
     return tensor
 
 
+class _OnePass:
+    """The reading half of :func:`verifying_reader`'s class, over ``FileSystemReader``'s
+    ``path``, ``storage_data`` (where each saved item lies) and ``transforms``; ``owned``
+    (file name -> [size, CRC32] from the manifest) and ``records`` come from its
+    ``__init__``."""
+
+    path: Any
+    storage_data: Dict[Any, Any]
+    owned: Sums
+    records: TensorRecords
+    direct: int
+
+    def read_data(self, plan, planner):
+        per_file: Dict[str, list] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        # its own files first: the other ranks meanwhile bring theirs into the page cache
+        order = sorted(per_file, key=lambda rel: (rel not in self.owned, rel))
+        for rel in [r for r in order if r in self.owned]:  # the kernel reads ahead the whole file
+            fd = os.open(Path(self.path) / rel, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            os.close(fd)
+        for rel in order:
+            self._read_file(rel, per_file[rel], planner)
+        for rel, (_, crc) in self.owned.items():
+            if rel not in per_file and file_crc32(Path(self.path) / rel) != crc:
+                raise CorruptCheckpoint(f"checksum mismatch in dcp/{rel}")
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    def _read_file(self, rel: str, reqs: list, planner) -> None:
+        expected = self.owned.get(rel)
+        groups: Dict[Any, list] = {}
+        for req in reqs:
+            groups.setdefault(req.storage_index, []).append(req)
+        order = sorted(groups.items(), key=lambda kv: self.storage_data[kv[0]].offset)
+        path = Path(self.path) / rel
+        with open(path, "rb", buffering=0) as f:
+            src = _Pass(f, rel, summed=expected is not None)
+            try:
+                for index, group in order:
+                    self._read_item(src, self.storage_data[index], group, planner)
+                if expected is not None:
+                    src.skip_to(expected[0])
+            except CorruptCheckpoint:
+                raise
+            except Exception as exc:  # unreadable: corrupt if its checksum says so
+                if expected is not None and file_crc32(path) != expected[1]:
+                    raise CorruptCheckpoint(f"checksum mismatch in dcp/{rel}") from exc
+                raise
+        if expected is not None and src.crc != expected[1]:
+            raise CorruptCheckpoint(f"checksum mismatch in dcp/{rel}")
+
+    def _read_item(self, src: _Pass, info, group: list, planner) -> None:
+        """The read items of one saved item (``info``: where it lies in the file)."""
+        src.skip_to(info.offset)
+        direct = self._destination(src.f.fileno(), info, group, planner)
+        if direct is not None:
+            target, start = direct
+            src.skip_to(info.offset + start)
+            src.read_into(memoryview(target.reshape(-1).view(torch.uint8).numpy()))
+            src.skip_to(info.offset + info.length)
+            planner.commit_tensor(group[0], target)
+            self.direct += 1
+            return
+        blob = bytearray(info.length)
+        src.read_into(memoryview(blob))
+        for req in group:
+            self._load_item(req, info, io.BytesIO(blob), planner)
+
+    def _destination(self, fd: int, info, group: list, planner) -> Optional[Tuple[torch.Tensor, int]]:
+        """(destination, offset of the tensor's bytes in its record) if the item can be
+        read straight into its destination, else None."""
+        req = group[0]
+        if len(group) > 1 or req.type.name == "BYTE_IO" or info.transform_descriptors:
+            return None
+        target = planner.resolve_tensor(req).detach()
+        if target.device.type != "cpu" or not target.is_contiguous() or any(req.storage_offsets) \
+                or tuple(req.lengths) != tuple(target.shape):
+            return None
+        found = self.records.find(fd, info.offset, info.length)
+        if found is None:
+            return None
+        meta, start = found
+        if meta.dtype != target.dtype or meta.shape != target.shape or meta.stride() != target.stride():
+            return None
+        return target, start
+
+    def _load_item(self, req, info, stream, planner) -> None:
+        """One item as DCP's reader reads it (``FileSystemReader.read_data``)."""
+        stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (), stream)
+        if req.type.name == "BYTE_IO":
+            planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+            return
+        if not stream.seekable():
+            stream = io.BytesIO(stream.read(-1))
+        tensor = _narrow(torch.load(stream, map_location="cpu", weights_only=True), req.storage_offsets,
+                         req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+
 @functools.lru_cache(maxsize=None)
 def verifying_reader():
     """The reader class (defined on first use: importing DCP takes seconds)."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.planner import LoadItemType
-    from torch.futures import Future
 
-    class VerifyingReader(FileSystemReader):
+    class VerifyingReader(_OnePass, FileSystemReader):
         """DCP's file reader in one pass over the files: the ones this rank owns
         (``owned``: file name -> [size, CRC32] from the manifest) are read front to back
         and summed on the way; a mismatch or a short file raises
@@ -160,98 +265,5 @@ def verifying_reader():
             self.owned = owned
             self.records = TensorRecords()
             self.direct = 0  # tensors read straight into their destination (tests)
-
-        def read_data(self, plan, planner):
-            per_file: Dict[str, list] = {}
-            for req in plan.items:
-                per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-            # its own files first: the other ranks meanwhile bring theirs into the page cache
-            order = sorted(per_file, key=lambda rel: (rel not in self.owned, rel))
-            for rel in [r for r in order if r in self.owned]:  # the kernel reads ahead the whole file
-                fd = os.open(Path(self.path) / rel, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                os.close(fd)
-            for rel in order:
-                self._read_file(rel, per_file[rel], planner)
-            for rel, (_, crc) in self.owned.items():
-                if rel not in per_file and file_crc32(Path(self.path) / rel) != crc:
-                    raise CorruptCheckpoint(f"checksum mismatch in dcp/{rel}")
-            future: Future = Future()
-            future.set_result(None)
-            return future
-
-        def _read_file(self, rel: str, reqs: list, planner) -> None:
-            expected = self.owned.get(rel)
-            groups: Dict[Any, list] = {}
-            for req in reqs:
-                groups.setdefault(req.storage_index, []).append(req)
-            order = sorted(groups.items(), key=lambda kv: self.storage_data[kv[0]].offset)
-            path = Path(self.path) / rel
-            with open(path, "rb", buffering=0) as f:
-                src = _Pass(f, rel, summed=expected is not None)
-                try:
-                    for index, group in order:
-                        self._read_item(src, self.storage_data[index], group, planner)
-                    if expected is not None:
-                        src.skip_to(expected[0])
-                except CorruptCheckpoint:
-                    raise
-                except Exception as exc:  # unreadable: corrupt if its checksum says so
-                    if expected is not None and file_crc32(path) != expected[1]:
-                        raise CorruptCheckpoint(f"checksum mismatch in dcp/{rel}") from exc
-                    raise
-            if expected is not None and src.crc != expected[1]:
-                raise CorruptCheckpoint(f"checksum mismatch in dcp/{rel}")
-
-        def _read_item(self, src: _Pass, info, group: list, planner) -> None:
-            """The read items of one saved item (``info``: where it lies in the file)."""
-            src.skip_to(info.offset)
-            direct = self._destination(src.f.fileno(), info, group, planner)
-            if direct is not None:
-                target, start = direct
-                src.skip_to(info.offset + start)
-                src.read_into(memoryview(target.reshape(-1).view(torch.uint8).numpy()))
-                src.skip_to(info.offset + info.length)
-                planner.commit_tensor(group[0], target)
-                self.direct += 1
-                return
-            blob = bytearray(info.length)
-            src.read_into(memoryview(blob))
-            for req in group:
-                self._load_item(req, info, io.BytesIO(blob), planner)
-
-        def _destination(self, fd: int, info, group: list, planner) -> Optional[Tuple[torch.Tensor, int]]:
-            """(destination, offset of the tensor's bytes in its record) if the item can be
-            read straight into its destination, else None."""
-            req = group[0]
-            if len(group) > 1 or req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
-                return None
-            target = planner.resolve_tensor(req).detach()
-            if target.device.type != "cpu" or not target.is_contiguous() or any(req.storage_offsets) \
-                    or tuple(req.lengths) != tuple(target.shape):
-                return None
-            found = self.records.find(fd, info.offset, info.length)
-            if found is None:
-                return None
-            meta, start = found
-            if meta.dtype != target.dtype or meta.shape != target.shape or meta.stride() != target.stride():
-                return None
-            return target, start
-
-        def _load_item(self, req, info, stream, planner) -> None:
-            """One item as DCP's reader reads it (``FileSystemReader.read_data``)."""
-            stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (), stream)
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(stream.read(-1)))
-                return
-            if not stream.seekable():
-                stream = io.BytesIO(stream.read(-1))
-            tensor = _narrow(torch.load(stream, map_location="cpu", weights_only=True), req.storage_offsets,
-                             req.lengths)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != tensor.size():
-                raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
-            target.copy_(tensor)
-            planner.commit_tensor(req, target)
 
     return VerifyingReader
