@@ -100,7 +100,8 @@ def test_tensor_records_find_the_bytes_torch_load_reads(tmp_path, crc):
 
     gen = torch.Generator().manual_seed(1)
     cases = [torch.randn(33, 7, generator=gen), torch.randn(5, generator=gen).bfloat16(), torch.tensor(3),
-             torch.arange(12).reshape(3, 4).t(), torch.zeros(0), torch.randn(4, 4, generator=gen)[1:]]
+             torch.arange(12).reshape(3, 4).t(), torch.zeros(0), torch.randn(4, 4, generator=gen)[1:],
+             torch.randn(33, 7, generator=gen), torch.arange(12).reshape(4, 3)]  # a record like the first: no parse
     others = (0.5, [1, 2], {"a": torch.ones(2)})
     path, spans = tmp_path / "records", []
     with open(path, "wb") as f, config.patch({"save.compute_crc32": crc}):
@@ -124,5 +125,6 @@ def test_tensor_records_find_the_bytes_torch_load_reads(tmp_path, crc):
             assert raw[start + at:start + at + nbytes] == bytes(tensor.untyped_storage())
         for start, length in spans[len(cases):]:
             assert records.find(fd, start, length) is None
+        assert len(records._known[spans[0][1]]) == 1  # the second (33, 7) record was not parsed again
     finally:
         os.close(fd)

@@ -17,7 +17,7 @@ import os
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.futures import Future
@@ -70,38 +70,44 @@ class TensorRecords:
     ``find`` answers (the tensor on the meta device, offset of its bytes in the record)
     for a record at [start, start + length) of a file that holds one plain tensor whose
     bytes are stored uncompressed, in order, from its storage's start; None for anything
-    else (or a record that does not parse). The layout comes from ``torch.load(...,
-    map_location="meta", weights_only=True)``, once per distinct pickle (``data.pkl``: a
-    record's pickle names its storage's dtype and size and the tensor's shape and
-    stride, so equal pickles give equal layouts); the offsets from the zip's central
-    directory."""
+    else (or a record that does not parse). The first record of a kind is parsed: the
+    layout from ``torch.load(..., map_location="meta", weights_only=True)``, the offsets
+    from the zip's central directory (at the record's end). A later record of the same
+    length whose bytes up to its tensor's bytes equal that record's (the pickle, which
+    names the storage's dtype and size and the tensor's shape and stride, and every
+    local zip header before the data) has the same layout and offset: its head is read
+    (where the pass over the file is), its end is not (a seek and a read ahead of it)."""
 
     def __init__(self) -> None:
-        self._layouts: Dict[bytes, Any] = {}
+        self._known: Dict[int, List[Tuple[bytes, torch.Tensor, int]]] = {}  # length -> (head, meta, offset)
 
     def find(self, fd: int, start: int, length: int) -> Optional[Tuple[torch.Tensor, int]]:
+        known = self._known.setdefault(length, [])
+        for head, meta, at in known:
+            if os.pread(fd, at, start) == head:
+                return meta, at
+        found = self._parse(fd, start, length)
+        if found is not None and len(known) < 8:
+            known.append((os.pread(fd, found[1], start), *found))
+        return found
+
+    @staticmethod
+    def _parse(fd: int, start: int, length: int) -> Optional[Tuple[torch.Tensor, int]]:
         window = _Window(fd, start, length)
         try:
             with zipfile.ZipFile(window) as archive:
-                entries = archive.infolist()
-            pickles = [e for e in entries if e.filename.split("/", 1)[-1] == "data.pkl"]
-            data = [e for e in entries if e.filename.split("/", 1)[-1].startswith("data/")]
-            if len(pickles) != 1 or len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED:
+                entries = [e for e in archive.infolist() if e.filename.split("/", 1)[-1].startswith("data/")]
+            if len(entries) != 1 or entries[0].compress_type != zipfile.ZIP_STORED:
                 return None
-            pkl_at, data_at = _entry_offset(fd, start, pickles[0]), _entry_offset(fd, start, data[0])
-            if pkl_at is None or data_at is None:
-                return None
-            key = os.pread(fd, pickles[0].compress_size, start + pkl_at)
-            if key not in self._layouts:
-                window.seek(0)
-                self._layouts[key] = torch.load(window, map_location="meta", weights_only=True)
+            at = _entry_offset(fd, start, entries[0])
+            window.seek(0)
+            meta = torch.load(window, map_location="meta", weights_only=True)
         except Exception:  # noqa: BLE001  (not a record read in place: DCP's way reports it)
             return None
-        meta = self._layouts[key]
-        if type(meta) is not torch.Tensor or meta.storage_offset() \
-                or data[0].file_size != meta.untyped_storage().nbytes():
+        if at is None or type(meta) is not torch.Tensor or meta.storage_offset() \
+                or entries[0].file_size != meta.untyped_storage().nbytes():
             return None
-        return meta, data_at
+        return meta, at
 
 
 class _Pass:
