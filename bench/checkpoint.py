@@ -122,91 +122,120 @@ def disk_bandwidth(work: Path, size_mb: int) -> tuple[float, float, float]:
     return warm, cold, nbytes / read_s / 1e6
 
 
-def worker(rank: int, world: int, port: int, work: str, dim: int, layers: int, repeats: int, strategy: str,
-           out: dict) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def build_engine(cfg_dim: int, layers: int, strategy: str, world: int):
+    """The bench's model (Llama-style, vocabulary 32000) wrapped for ``strategy``, and a batch."""
     import torch
-    import torch.distributed as dist
 
-    from train.checkpoint.manager import Checkpointer
     from spec.config import RunConfig
-    from train.harness.dist import init_distributed, shutdown
     from spec.layout import build_layout
+    from train.harness.dist import init_distributed
     from train.model import build_model
     from train.parallelize import parallelize
 
     torch.set_num_threads(1)
     cfg = RunConfig()
     cfg.cluster.gpus_per_node = world
-    cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.vocab_size = dim, layers, 12, 32000
+    cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.vocab_size = cfg_dim, layers, 12, 32000
     if strategy == "fsdp":  # as conf/strategy/fsdp.yaml
         cfg.strategy.name, cfg.strategy.data_parallel, cfg.strategy.dp_shard, cfg.strategy.dp_replicate = \
             "fsdp", "fsdp", -1, 1
     ctx = init_distributed(600)
     engine = parallelize(build_model(cfg.model, "meta"), cfg, build_layout(cfg), ctx)
     tokens = torch.randint(0, 32000, (1, 33))
-    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    return engine, [(tokens[:, :-1], tokens[:, 1:])]
 
-    def timed_steps(n: int) -> list:
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            engine.train_step(batch, 1e-4)
-            times.append(time.perf_counter() - t0)
-        return times
 
-    timed_steps(1)  # creates the AdamW state
-    base_step = statistics.median(timed_steps(3))
+def timed_steps(engine, batch, n: int) -> list:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        engine.train_step(batch, 1e-4)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def sync_saves(ckpt, engine, work: Path, rank: int, step: int, nbytes: int, res: dict) -> tuple[int, int]:
+    """One blocking save in warm pages, one in cold (see the module doc); (step, checkpoint bytes)."""
+    import torch.distributed as dist
+
+    root = ckpt.root
+    for warm, key in ((True, "sync"), (False, "sync_cold")):
+        dist.barrier()
+        if rank == 0:
+            if warm:  # one more checkpoint's worth: the old one stays until the new commits
+                warm_pages(work, 2 * nbytes or 2 << 30)
+            else:
+                time.sleep(COLD_S)
+        dist.barrier()
+        step += 1
+        ckpt.save(engine, step, {"loader": {"step": 0}})
+        res[key].append(ckpt.last_save_s)
+        ckpt.wait()  # pruning the previous one (in the background) is not part of the save
+        nbytes = dir_bytes(root / (root / "latest").read_text().strip()) if rank == 0 else 0
+    return step, nbytes
+
+
+def async_save(ckpt, engine, batch, world: int, step: int, base_step: float, res: dict) -> None:
+    """Async: the loop goes on training; it is blocked for the call and for the first
+    optimizer step's wait for the snapshot. The background write shares the CPU."""
+    import torch.distributed as dist
+
+    ckpt.staging_wait_s = 0.0
+    dist.barrier()  # the ranks reach a save together (the loop's per-step all-gather)
+    t0 = time.perf_counter()
+    ckpt.save(engine, step, {"loader": {"step": 0}}, blocking=False)
+    steps = timed_steps(engine, batch, 3)
+    ckpt.wait()
+    res["write"].append(time.perf_counter() - t0)
+    # The loop waits for the slowest rank: its stall counts.
+    ranks = [None] * world
+    dist.all_gather_object(ranks, (ckpt.last_save_s + ckpt.staging_wait_s, ckpt.last_save_s, ckpt.staging_wait_s))
+    worst = max(ranks)
+    res["stall"].append(worst[0])
+    res["call"].append(worst[1])
+    res["staging"].append(worst[2])
+    res["slow"].append(statistics.mean(steps) - ckpt.staging_wait_s / len(steps) - base_step)
+
+
+def cold_restore(ckpt, engine, rank: int, res: dict) -> None:
+    """Restore the newest checkpoint, evicted from the page cache (as after a requeue)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        evict(ckpt.root)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if ckpt.load_latest(engine, print) is None:
+        raise SystemExit("bench: no checkpoint could be restored")
+    dist.barrier()
+    res["restore"].append(time.perf_counter() - t0)
+
+
+def worker(rank: int, world: int, port: int, work: str, dim: int, layers: int, repeats: int, strategy: str,
+           out: dict) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from train.checkpoint import Checkpointer
+    from train.harness.dist import shutdown
+
+    engine, batch = build_engine(dim, layers, strategy, world)
+    timed_steps(engine, batch, 1)  # creates the AdamW state
+    base_step = statistics.median(timed_steps(engine, batch, 3))
     root = Path(work) / "ckpt"
     ckpt = Checkpointer(root, rank, keep=1)
     ckpt.prepare_async(engine)  # as the loop does at start-up (the gloo group, the thread)
     ckpt.reserve_async(engine).result()  # as the loop does after its first step (waited for here:
     # the background copy would otherwise share the cores with the first sync save)
-    sync, sync_cold, call, staging, stall, slow, write, restore, disk = [], [], [], [], [], [], [], [], []
-    nbytes, step = 0, 10
-    for i in range(repeats):
-        for warm, times in ((True, sync), (False, sync_cold)):
-            dist.barrier()
-            if rank == 0:
-                if warm:  # one more checkpoint's worth: the old one stays until the new commits
-                    warm_pages(Path(work), 2 * nbytes or 2 << 30)
-                else:
-                    time.sleep(COLD_S)
-            dist.barrier()
-            step += 1
-            ckpt.save(engine, step, {"loader": {"step": 0}})
-            times.append(ckpt.last_save_s)
-            ckpt.wait()  # pruning the previous one (in the background) is not part of the save
-            nbytes = dir_bytes(root / (root / "latest").read_text().strip()) if rank == 0 else 0
-        # Async: the loop goes on training; it is blocked for the call and for the first
-        # optimizer step's wait for the snapshot. The background write shares the CPU.
-        ckpt.staging_wait_s = 0.0
-        dist.barrier()  # the ranks reach a save together (the loop's per-step all-gather)
-        t0 = time.perf_counter()
+    res = {key: [] for key in ("sync", "sync_cold", "call", "staging", "stall", "slow", "write", "restore")}
+    disk, nbytes, step = [], 0, 10
+    for _ in range(repeats):
+        step, nbytes = sync_saves(ckpt, engine, Path(work), rank, step, nbytes, res)
         step += 1
-        ckpt.save(engine, step, {"loader": {"step": 0}}, blocking=False)
-        steps = timed_steps(3)
-        ckpt.wait()
-        write.append(time.perf_counter() - t0)
-        # The loop waits for the slowest rank: its stall counts.
-        ranks = [None] * world
-        dist.all_gather_object(ranks, (ckpt.last_save_s + ckpt.staging_wait_s, ckpt.last_save_s,
-                                       ckpt.staging_wait_s))
-        worst = max(ranks)
-        stall.append(worst[0])
-        call.append(worst[1])
-        staging.append(worst[2])
-        slow.append(statistics.mean(steps) - ckpt.staging_wait_s / len(steps) - base_step)
-        dist.barrier()
-        if rank == 0:
-            evict(root)  # a restore after a requeue reads a cold checkpoint
-        dist.barrier()
-        t0 = time.perf_counter()
-        if ckpt.load_latest(engine, print) is None:
-            raise SystemExit("bench: no checkpoint could be restored")
-        dist.barrier()
-        restore.append(time.perf_counter() - t0)
+        async_save(ckpt, engine, batch, world, step, base_step, res)
+        cold_restore(ckpt, engine, rank, res)
         if rank == 0:  # the disk, side by side with this repeat's saves and restore
             disk.append(disk_bandwidth(Path(work), max(256, nbytes >> 20)))
         dist.barrier()
@@ -214,13 +243,12 @@ def worker(rank: int, world: int, port: int, work: str, dim: int, layers: int, r
     if rank == 0:
         latest = root / (root / "latest").read_text().strip()
         med = statistics.median
-        out.update(sync=med(sync), sync_cold=med(sync_cold), stall=med(stall), first_stall=stall[0], call=med(call),
-                   staging=med(staging), slow=med(slow), write=med(write), base_step=base_step,
-                   restore=med(restore), nbytes=dir_bytes(latest),
+        out.update({key: med(values) for key, values in res.items()}, first_stall=res["stall"][0],
+                   base_step=base_step, nbytes=dir_bytes(latest),
                    # each repeat's throughput over the disk bandwidth measured beside it
                    disk=[med(d[i] for d in disk) for i in range(3)],
-                   ratios=[med(nbytes / 1e6 / t / d[i] for t, d in zip(times, disk))
-                           for i, times in enumerate((sync, sync_cold, restore))],
+                   ratios=[med(nbytes / 1e6 / t / d[i] for t, d in zip(res[key], disk))
+                           for i, key in enumerate(("sync", "sync_cold", "restore"))],
                    params=sum(p.numel() for p in engine.module.parameters()))
     shutdown()
 

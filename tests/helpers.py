@@ -29,7 +29,7 @@ def assert_committed(root) -> None:
     import json
     from pathlib import Path
 
-    from train.checkpoint.manager import MANIFEST, verify
+    from train.checkpoint import MANIFEST, verify
 
     steps = sorted(Path(root).glob("step_*"))
     assert steps, f"no committed checkpoint under {root}"

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO, launcher, run_dir_of
 from helpers import assert_committed, assert_same_state
-from train.checkpoint.manager import find_latest, verify
+from train.checkpoint import find_latest, verify
 from spec.rundir import read_metrics, read_run_json
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def test_rank1_share_of_the_checksums_is_verified_on_resume(tmp_path, reference)
     it); a byte flipped in a tensor of the file rank 1 verifies makes every rank skip that
     checkpoint (here the only one: the run starts over, with the model built again since
     the load had read part of it) and the run still ends equal to the uninterrupted one."""
-    from train.checkpoint.manager import _share
+    from train.checkpoint.manifest import share as _share
 
     run_dir = tmp_path / "run"
     killed = launcher(BASE + ["fault.kill_in_save_at_step=8", f"launcher.run_dir={run_dir}"], cwd=tmp_path)

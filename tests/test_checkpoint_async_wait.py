@@ -19,7 +19,7 @@ def _rank(rank: int, world: int, port: int, root: str) -> None:
 
     import torch.distributed as dist
 
-    from train.checkpoint.manager import Checkpointer
+    from train.checkpoint import Checkpointer
     from train.strategies.base import DCPState
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
@@ -27,7 +27,7 @@ def _rank(rank: int, world: int, port: int, root: str) -> None:
     optimizer = torch.optim.AdamW(module.parameters())
     module(torch.ones(2, 8)).sum().backward()
     optimizer.step()
-    engine = DCPState()  # model + optimizer through DCP, as the torch engines checkpoint
+    engine = DCPState()  # the engine protocol's DCP side: model + optimizer state
     engine.module, engine.optimizer = module, optimizer
     ckpt = Checkpointer(Path(root), rank, keep=3)
     ckpt.save(engine, 1, {"loader": {}}, blocking=False)

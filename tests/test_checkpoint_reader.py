@@ -1,14 +1,17 @@
-"""The one-pass DCP reader (train/checkpoint/manager.py ``_verifying_reader``), in one process:
+"""The one-pass DCP reader (train/checkpoint/dcp_reader.py ``verifying_reader``), in one process:
 the same tensors as DCP's own reader, read straight into their destination where it can,
-and a flipped byte in a file it owns is reported as corruption."""
+and a flipped byte in a file it owns, or a short file, is reported as corruption."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from train.checkpoint.manager import CorruptCheckpoint, _crc32, _verifying_reader, tensor_record
+from train.checkpoint.dcp_reader import TensorRecords, verifying_reader as _verifying_reader
+from train.checkpoint.manifest import CorruptCheckpoint, file_crc32 as _crc32
 
 
 def _state() -> dict:
@@ -77,26 +80,51 @@ def _corrupt(exc: CheckpointException) -> str:
     return str(cause)
 
 
-def test_tensor_record_finds_the_bytes_torch_load_finds(tmp_path):
-    """The front-to-back walk of a torch.save record gives the layout and the offset that
-    torch.load(map_location="meta") reads from the central directory; other objects: None."""
+def test_truncated_owned_file_is_corruption(saved):
+    state, root, data = saved
+    owned = _owned(data)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(_empty_like(state), storage_reader=_verifying_reader()(root, owned), no_dist=True)
+    assert _corrupt(info.value).startswith((f"truncated file dcp/{data.name}", f"checksum mismatch in dcp/{data.name}"))
+
+
+@pytest.mark.parametrize("crc", [True, False])
+def test_tensor_records_find_the_bytes_torch_load_reads(tmp_path, crc):
+    """The layout torch.load gives and the offset of the tensor's bytes in its record, at
+    any offset of a file (as in DCP's files), with or without torch.save's own CRCs (the
+    writer leaves them out); other objects: None."""
     import io
+
+    from torch.utils.serialization import config
 
     gen = torch.Generator().manual_seed(1)
     cases = [torch.randn(33, 7, generator=gen), torch.randn(5, generator=gen).bfloat16(), torch.tensor(3),
-             torch.arange(12).reshape(3, 4).t(), torch.zeros(0), torch.randn(4, 4, generator=gen)[1:]]
-    for tensor in cases:
-        buf = io.BytesIO()
-        torch.save(tensor, buf)
-        blob = buf.getvalue()
-        meta = torch.load(io.BytesIO(blob), map_location="meta", weights_only=True)
-        dtype, shape, stride, offset, nbytes, start = tensor_record(blob)
-        assert (dtype, shape, stride, offset) == (tensor.dtype, tuple(tensor.shape), tensor.stride(),
-                                                  tensor.storage_offset())
-        assert start == meta.untyped_storage()._checkpoint_offset
-        assert nbytes == tensor.untyped_storage().nbytes()
-        assert blob[start:start + nbytes] == bytes(tensor.untyped_storage())
-    for other in (0.5, [1, 2], {"a": torch.ones(2)}):
-        buf = io.BytesIO()
-        torch.save(other, buf)
-        assert tensor_record(buf.getvalue()) is None
+             torch.arange(12).reshape(3, 4).t(), torch.zeros(0), torch.randn(4, 4, generator=gen)[1:],
+             torch.randn(33, 7, generator=gen), torch.arange(12).reshape(4, 3)]  # a record like the first: no parse
+    others = (0.5, [1, 2], {"a": torch.ones(2)})
+    path, spans = tmp_path / "records", []
+    with open(path, "wb") as f, config.patch({"save.compute_crc32": crc}):
+        f.write(b"x" * 100)  # records start anywhere in a file
+        for obj in cases + list(others):
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            spans.append((f.tell(), len(buf.getvalue())))
+            f.write(buf.getvalue())
+    records, raw = TensorRecords(), path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for tensor, (start, length) in zip(cases, spans):
+            found = records.find(fd, start, length)
+            if tensor.storage_offset():  # a view into a larger storage: not read in place
+                assert found is None
+                continue
+            meta, at = found
+            assert (meta.dtype, meta.shape, meta.stride()) == (tensor.dtype, tensor.shape, tensor.stride())
+            nbytes = tensor.untyped_storage().nbytes()
+            assert raw[start + at:start + at + nbytes] == bytes(tensor.untyped_storage())
+        for start, length in spans[len(cases):]:
+            assert records.find(fd, start, length) is None
+        assert len(records._known[spans[0][1]]) == 1  # the second (33, 7) record was not parsed again
+    finally:
+        os.close(fd)

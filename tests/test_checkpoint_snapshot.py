@@ -1,4 +1,4 @@
-"""The async save's snapshot (train.checkpoint._Snapshot): copies, not references, in
+"""The async save's snapshot (train.checkpoint.async_save.Snapshot): copies, not references, in
 host buffers that the next save reuses. DTensor shards and the order against the
 optimizer step: tests/test_checkpoint.py and tests/test_resume_strategies.py."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import collections
 import pytest
 import torch
 
-from train.checkpoint.manager import _Snapshot
+from train.checkpoint.async_save import Snapshot as _Snapshot
 
 
 Pair = collections.namedtuple("Pair", "tensor count")

@@ -16,7 +16,7 @@ from spec.layout import Layout
 from train.metrics import mfu, peak_memory_bytes
 from spec.model_size import flops_per_token
 from train.model import build_model
-from train.checkpoint.manager import Checkpointer
+from train.checkpoint import Checkpointer
 from train.parallelize import parallelize
 from train.harness.preempt import PreemptionFlag
 from train.harness.watchdog import COLLECTIVE, Watchdog

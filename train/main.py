@@ -12,7 +12,7 @@ from train.harness import preempt
 from spec.config import to_run_config
 from spec.validate import WATCHDOG_GRACE_S, validate
 from spec.layout import build_layout
-from train.checkpoint.manager import Checkpointer
+from train.checkpoint import Checkpointer
 from train.harness.preempt import PreemptionFlag
 from train.harness.watchdog import Watchdog, classify_failure
 from spec.rundir import CONFIG, read_run_json, update_run_json

@@ -1,0 +1,77 @@
+"""What a checkpoint holds besides the files an engine writes itself: the Stateful pieces.
+
+- model + optimizer: :class:`AppState`, DCP's Stateful over an engine
+  (:class:`train.strategies.base.Engine`: ``state_dict`` / ``load_state_dict``);
+- step, data-loader position and RNG states: one ``extra_rank{R}.pt`` per rank
+  (:func:`write_extra` / :func:`load_extra`).
+"""
+from __future__ import annotations
+
+import io
+import os
+import random
+from pathlib import Path
+from typing import Any, Dict
+
+import numpy as np
+import torch
+
+from train.checkpoint.manifest import Sums, crc32
+
+
+class AppState:
+    """DCP Stateful over an engine's model + optimizer state."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.engine.load_state_dict(state)
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def extra_name(rank: int) -> str:
+    return f"extra_rank{rank}.pt"
+
+
+def write_extra(root: Path, rank: int, step: int, extra: Dict[str, Any], fsync: bool = True) -> Sums:
+    """This rank's step, RNG states and ``extra`` (the loader position) under ``root``;
+    its manifest entry, summed as written."""
+    buf = io.BytesIO()
+    torch.save({"step": step, "rng": rng_state(), **extra}, buf)
+    data = buf.getbuffer()
+    rel = extra_name(rank)
+    with open(root / rel, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    return {rel: [len(data), crc32(data)]}
+
+
+def load_extra(ckpt: Path, rank: int) -> Dict[str, Any]:
+    """This rank's extra state, its RNG states restored. Resumed at another world size, a
+    rank without a file of its own takes rank 0's (its stream position)."""
+    path = ckpt / extra_name(rank)
+    if not path.exists():
+        path = ckpt / extra_name(0)
+    extra = torch.load(path, weights_only=False)  # numpy's RNG state is not a weights-only type
+    set_rng_state(extra["rng"])
+    return extra
