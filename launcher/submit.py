@@ -3,27 +3,31 @@
 One sweep point is one job (or one element of a job array of identical jobs, see
 :func:`submit_array`): ``nodes`` x ``gpus_per_node`` srun tasks, one per GPU (per CPU
 slot on CPU clusters). submitit writes the batch script, per-rank logs
-(``slurm/%j_%t_log.out``; ``%A_%a_%t`` for array elements) and the pickled
-:class:`train.harness.job.TrainJob` under ``RUN_DIR/slurm``; the script used is copied to
-``RUN_DIR/sbatch.sh``.
+(``slurm/%j_%t_log.out``; ``%A_%a_%t`` for array elements) and the pickled task call
+(``train.harness.job:main(RUN_DIR)``, :class:`slurm.submitit_adapter.TaskCall`) under
+``RUN_DIR/slurm``; the script used is copied to ``RUN_DIR/sbatch.sh``.
 """
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from slurm import query, sbatch
+from slurm import query, sbatch, submitit_adapter
+from slurm.submitit_adapter import TaskCall
 from spec.config import ConfigError, RunConfig
-from train.harness.job import TrainJob
 from spec.layout import Layout
 
 DEFAULT_LOCAL_DIR = "/tmp/localslurm"
+TASK = "train.harness.job:main"  # what every task of a job runs, with the run directory
+
+
+def task_call(run_dir: Path) -> TaskCall:
+    return TaskCall(TASK, (str(run_dir),))
 
 
 def local_cluster_dir() -> Path:
@@ -124,24 +128,21 @@ def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
     if c.accelerator == "gpu":
         params["gpus_per_node"] = c.gpus_per_node
     optional = {"partition": c.partition, "account": c.account, "qos": c.qos, "constraint": c.constraint,
-                "exclude": c.exclude, "mem": f"{c.mem_gb}GB" if c.mem_gb else None}
+                "exclude": c.exclude, "mem": c.mem_gb or None}  # GB: submitit spells it ("64GB")
     params.update({k: v for k, v in optional.items() if v})
     return params
 
 
 def render_script(cfg: RunConfig, layout: Layout, run_dir: Path, python: Optional[str] = None) -> str:
-    return sbatch.render(slurm_parameters(cfg, layout), run_dir / "slurm", python)
+    return submitit_adapter.render(slurm_parameters(cfg, layout), run_dir / "slurm", python)
 
 
 def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[str]):
     """Submit the job; return the submitit Job (returns as soon as sbatch answers)."""
-    import submitit
-
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf  # sbatch here and every task of the job read it
-    executor = submitit.SlurmExecutor(folder=run_dir / "slurm", max_num_timeout=cfg.cluster.max_requeues)
-    executor.update_parameters(**slurm_parameters(cfg, layout))
-    job = executor.submit(TrainJob(str(run_dir)))
+    job = submitit_adapter.submit(task_call(run_dir), run_dir / "slurm", slurm_parameters(cfg, layout),
+                                  cfg.cluster.max_requeues)
     try:
         shutil.copyfile(job.paths.submission_file, run_dir / "sbatch.sh")
     except OSError:
@@ -179,32 +180,28 @@ def submit_array(cfg: RunConfig, layout: Layout, run_dirs: List[Path], slurm_con
 
 def _submit_one_array(cfg: RunConfig, layout: Layout, run_dirs: List[Path], slurm_conf: Optional[str],
                       sweep_dir: Path) -> List[str]:
-    from submitit.core.utils import DelayedSubmission
-
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf  # sbatch here and every task of the job read it
     uid = uuid.uuid4().hex[:12]
     base = sweep_dir / ".arrays" / uid
     base.mkdir(parents=True)
     params = dict(slurm_parameters(cfg, layout), map_count=len(run_dirs), array_parallelism=len(run_dirs))
-    script = sbatch.render(params, base / "%a")
+    script = submitit_adapter.render(params, base / "%a")
     (base / "submission.sh").write_text(script)
     pending = []
     for i, run_dir in enumerate(run_dirs):
         (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
         os.symlink(os.path.relpath(run_dir / "slurm", base), base / str(i))
         (run_dir / "sbatch.sh").write_text(script)
-        job = DelayedSubmission(TrainJob(str(run_dir)))
-        job.set_timeout(params["time"], cfg.cluster.max_requeues)
         tmp = run_dir / "slurm" / f".array-{uid}.pkl"  # renamed once the array's id is known
-        job.dump(tmp)
+        submitit_adapter.dump_delayed(task_call(run_dir), tmp, params["time"], cfg.cluster.max_requeues)
         pending.append(tmp)
-    proc = subprocess.run(["sbatch", "--parsable", str(base / "submission.sh")], capture_output=True, text=True)
-    if proc.returncode != 0:
+    try:
+        array_id = query.sbatch(str(base / "submission.sh"))
+    except query.SlurmUnavailable as exc:
         for tmp in pending:
             tmp.unlink(missing_ok=True)
-        raise SubmissionError(f"sbatch refused the job array: {(proc.stderr or proc.stdout).strip()[:300]}")
-    array_id = proc.stdout.strip().split(";")[0]
+        raise SubmissionError(f"sbatch refused the job array: {exc}") from None
     ids = [f"{array_id}_{i}" for i in range(len(run_dirs))]
     for job_id, tmp in zip(ids, pending):  # the job side waits up to 60 s for its pickle
         os.replace(tmp, tmp.with_name(f"{job_id}_submitted.pkl"))

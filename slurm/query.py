@@ -1,4 +1,6 @@
-"""Batched Slurm queries: one ``sacct`` / ``squeue`` / ``scancel`` call for many jobs.
+"""Every call of a Slurm command the project makes (sbatch, squeue, sacct, scontrol,
+scancel, sinfo), batched where many jobs are asked about at once. srun runs only inside
+the batch scripts that submitit renders (:mod:`slurm.submitit_adapter`).
 
 Every call goes through :func:`_run`, so tests can count (or fake) the Slurm commands
 a reader issues by replacing that one function.
@@ -133,6 +135,37 @@ def partition_nodes(partition: str, env: Optional[Dict[str, str]] = None) -> int
     if not out:
         raise SlurmUnavailable(f"partition {partition!r} does not exist")
     return sum(int(x) for x in out if x.isdigit())
+
+
+def sbatch(script: str, env: Optional[Dict[str, str]] = None) -> str:
+    """Submit a batch script file; the job id (an array's id for a job array)."""
+    return _run(["sbatch", "--parsable", script], env=env).strip().split(";")[0]
+
+
+def time_left(job_id: str, timeout: float = 15) -> Optional[str]:
+    """squeue's time left of a job (``[days-]h:m:s``), or None when Slurm does not answer."""
+    try:
+        return _run(["squeue", "-h", "-j", job_id, "-o", "%L"], timeout=timeout).strip()
+    except (SlurmUnavailable, OSError):
+        return None
+
+
+def requeue(job_id: str) -> Optional[str]:
+    """``scontrol requeue``: None on success, else Slurm's error text (the job's own ranks
+    call it, so a failure is reported, not raised)."""
+    try:
+        _run(["scontrol", "requeue", job_id])
+    except (SlurmUnavailable, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def cancel(job_id: str) -> None:
+    """scancel one job from inside it, best effort (the job is ending anyway)."""
+    try:
+        _run(["scancel", job_id])
+    except (SlurmUnavailable, OSError):
+        pass
 
 
 def slurm_env(slurm_conf: Optional[str]) -> Dict[str, str]:

@@ -22,3 +22,8 @@ class TrainJob:
         from train.main import run
 
         return run(self.run_dir, flag)
+
+
+def main(run_dir: str) -> int:
+    """What every task of a submitted job runs (``slurm.submitit_adapter.TaskCall``)."""
+    return TrainJob(run_dir)()

@@ -22,10 +22,10 @@ path (submitit's Checkpointable is not used).
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from typing import Optional
 
+from slurm import query
 from slurm.env import slurm_job_id
 
 # A signal that arrives when less than signal_delay + this margin remains is a timeout.
@@ -60,12 +60,8 @@ class PreemptionFlag:
 
 def seconds_left(job_id: str) -> Optional[float]:
     """Time left before the job's limit per Slurm, or None when unknown."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True,
-                             timeout=15).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return parse_slurm_duration(out)
+    out = query.time_left(job_id)
+    return None if out is None else parse_slurm_duration(out)
 
 
 def parse_slurm_duration(text: str) -> Optional[float]:
@@ -92,22 +88,8 @@ def classify(job_id: str, signal_delay_s: int) -> str:
     return "preemption"
 
 
-def requeue(job_id: str) -> Optional[str]:
-    """Ask Slurm to requeue this job; None on success, else the error text."""
-    try:
-        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return str(exc)
-    if proc.returncode != 0:
-        return (proc.stderr or proc.stdout).strip()
-    return None
-
-
-def cancel(job_id: str) -> None:
-    try:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+requeue = query.requeue  # None on success, else Slurm's error text
+cancel = query.cancel
 
 
 def in_slurm_job() -> Optional[str]:

@@ -1,0 +1,68 @@
+"""The one module that touches submitit beyond its documented API (``SlurmExecutor``).
+
+It uses three private pieces, pinned by ``tests/test_submitit_adapter.py`` so that a
+submitit upgrade fails that test, not a job:
+
+- ``submitit.slurm.slurm._make_sbatch_string``: the batch script submitit submits, for the
+  dry run and for job arrays whose folder submitit's executor refuses (``%a`` in it);
+- ``submitit.slurm.slurm._convert_mem``: its ``mem`` spelling;
+- ``submitit.core.utils.DelayedSubmission``: the pickle the job side loads, written here for
+  job-array elements (``dump``) with submitit's requeue budget (``set_timeout``).
+
+What a task runs is a :class:`TaskCall`: a function named by ``"module:function"`` and its
+arguments, imported when the task calls it, so the login side never imports the compute side.
+"""
+from __future__ import annotations
+
+import importlib
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+
+@dataclass
+class TaskCall:
+    """What submitit pickles and every srun task calls: ``module:function(*args)``."""
+
+    target: str
+    args: Tuple[Any, ...] = ()
+
+    def __call__(self) -> Any:
+        module, name = self.target.split(":")
+        return getattr(importlib.import_module(module), name)(*self.args)
+
+
+def submitit_command(folder: str | Path, python: Optional[str] = None) -> str:
+    """The command submitit's SlurmExecutor puts after ``srun``."""
+    python = shlex.quote(sys.executable) if python is None else python
+    return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
+
+
+def render(params: Dict[str, Any], folder: str | Path, python: Optional[str] = None) -> str:
+    """The sbatch script for ``params`` (submitit parameter names) and a submitit folder."""
+    from submitit.slurm.slurm import _convert_mem, _make_sbatch_string
+
+    params = dict(params)
+    if "mem" in params:
+        params["mem"] = _convert_mem(params["mem"])
+    return _make_sbatch_string(command=submitit_command(folder, python), folder=folder, **params)
+
+
+def submit(call: TaskCall, folder: Path, params: Dict[str, Any], max_requeues: int):
+    """Submit one job through submitit's executor; the submitit Job (as soon as sbatch answers)."""
+    import submitit
+
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues)
+    executor.update_parameters(**params)
+    return executor.submit(call)
+
+
+def dump_delayed(call: TaskCall, path: Path, time_min: int, max_requeues: int) -> None:
+    """Write the pickle submitit's job side loads for one element of a job array."""
+    from submitit.core.utils import DelayedSubmission
+
+    job = DelayedSubmission(call)
+    job.set_timeout(time_min, max_requeues)
+    job.dump(path)

@@ -1,0 +1,58 @@
+"""What slurm/submitit_adapter.py expects of submitit's private API, pinned: when a
+submitit upgrade moves or changes these, this test fails, not a user's job."""
+from __future__ import annotations
+
+import inspect
+import pickle
+from pathlib import Path
+
+from helpers import compose_run
+from launcher.submit import TASK, slurm_parameters, task_call
+from slurm import submitit_adapter
+from slurm.submitit_adapter import TaskCall
+from spec.layout import build_layout
+
+
+def test_private_functions_exist_with_the_arguments_we_pass():
+    from submitit.slurm import slurm
+
+    params = inspect.signature(slurm._make_sbatch_string).parameters
+    cfg = compose_run(["+cluster=a100x8", "cluster.nodes=2", "cluster.mem_gb=64", "cluster.partition=gpu"])
+    for name in ["command", "folder", *slurm_parameters(cfg, build_layout(cfg))]:
+        assert name in params, f"submitit's _make_sbatch_string lost the parameter {name!r}"
+    assert slurm._convert_mem(64) == "64GB" and slurm._convert_mem(0.5) == "512MB"  # our mem is in GB
+
+
+def test_rendered_script_is_a_submitit_batch_script(tmp_path):
+    cfg = compose_run(["+cluster=a100x8", "cluster.nodes=2", "cluster.signal_delay_s=90"])
+    script = submitit_adapter.render(slurm_parameters(cfg, build_layout(cfg)), tmp_path / "slurm")
+    assert script.startswith("#!/bin/bash")
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --signal=USR2@90" in script
+    assert "#SBATCH --requeue" in script and "-m submitit.core._submit" in script
+
+
+def test_array_element_pickle_loads_as_submitit_loads_it(tmp_path):
+    from submitit.core.utils import DelayedSubmission
+
+    path = tmp_path / "0_submitted.pkl"
+    submitit_adapter.dump_delayed(task_call(tmp_path / "run"), path, time_min=30, max_requeues=3)
+    loaded = DelayedSubmission.load(path)
+    assert isinstance(loaded.function, TaskCall)
+    assert loaded.function.target == TASK and loaded.function.args == (str(tmp_path / "run"),)
+    assert loaded._timeout_min == 30 and loaded._timeout_countdown == 3
+
+
+def test_task_call_imports_its_target_when_called():
+    call = TaskCall("os.path:join", ("a", "b"))
+    assert call() == "a/b"
+    assert pickle.loads(pickle.dumps(call)) == call
+    module, name = TASK.split(":")
+    assert Path(__file__).resolve().parent.parent.joinpath(*module.split(".")).with_suffix(".py").is_file()
+
+
+def test_memory_is_given_in_gb_as_submitit_expects(tmp_path):
+    """cluster.mem_gb reaches sbatch as --mem=64GB (it crashed in submitit's conversion
+    when passed as the string "64GB")."""
+    cfg = compose_run(["+cluster=a100x8", "cluster.mem_gb=64"])
+    script = submitit_adapter.render(slurm_parameters(cfg, build_layout(cfg)), tmp_path / "slurm")
+    assert "#SBATCH --mem=64GB" in script
