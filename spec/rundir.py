@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 RUN_JSON = "run.json"
 METRICS = "metrics.jsonl"
@@ -153,8 +153,13 @@ def update_run_json(run_dir: str | Path, /, **fields: Any) -> Dict[str, Any]:
     return data
 
 
-def append_metrics(run_dir: str | Path, row: MetricsRow) -> None:
-    """Append one row to metrics.jsonl (never overwrites earlier segments)."""
+def append_metrics(run_dir: str | Path, row: MetricsRow | Mapping[str, Any]) -> None:
+    """Append one row to metrics.jsonl (never overwrites earlier segments). A mapping is
+    read as a MetricsRow first (it must have an int ``step``), so every row has one form."""
+    if not isinstance(row, MetricsRow):
+        if not isinstance(row.get("step"), int):
+            raise ValueError(f"a metrics row needs an int 'step', got {row.get('step')!r}")
+        row = MetricsRow.from_dict(dict(row))
     with open(Path(run_dir) / METRICS, "a") as f:
         f.write(json.dumps(row.as_dict()) + "\n")
         f.flush()

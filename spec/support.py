@@ -12,15 +12,15 @@ from spec import ds_config
 from spec.config import ConfigError, RunConfig
 from spec.layout import Layout
 
-# (engine, data_parallel) -> "module:function". Filled in as strategies land.
+# (engine, data_parallel) -> "module:EngineBuilder class" (train/strategies/base.py).
 BUILDERS: Dict[Tuple[str, str], str] = {
-    ("torch", "ddp"): "train.strategies.ddp:build",
-    ("torch", "fsdp"): "train.strategies.fsdp:build",
-    ("torch", "none"): "train.strategies.tp:build",  # tensor parallel alone
-    ("deepspeed", "zero0"): "train.strategies.deepspeed:build",
-    ("deepspeed", "zero1"): "train.strategies.deepspeed:build",
-    ("deepspeed", "zero2"): "train.strategies.deepspeed:build",
-    ("deepspeed", "zero3"): "train.strategies.deepspeed:build",
+    ("torch", "ddp"): "train.strategies.ddp:DDPBuilder",
+    ("torch", "fsdp"): "train.strategies.fsdp:FSDPBuilder",
+    ("torch", "none"): "train.strategies.tp:TPBuilder",  # tensor parallel alone
+    ("deepspeed", "zero0"): "train.strategies.deepspeed:DeepSpeedBuilder",
+    ("deepspeed", "zero1"): "train.strategies.deepspeed:DeepSpeedBuilder",
+    ("deepspeed", "zero2"): "train.strategies.deepspeed:DeepSpeedBuilder",
+    ("deepspeed", "zero3"): "train.strategies.deepspeed:DeepSpeedBuilder",
 }
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import REPO
-from launcher.track import cancel, progress, registry, report, status
+from launcher.track import cancel, registry, report, status
 from launcher.track.scaling import classify, efficiency, point_metrics, scaling_kind, series_labels, stitch
 from slurm import query
 from spec.rundir import MetricsRow, append_metrics, update_run_json

@@ -4,7 +4,7 @@ import sys
 from train.harness.preempt import PreemptionFlag
 
 if __name__ == "__main__":
-    flag = PreemptionFlag().install()  # before the slow imports: see train.job
+    flag = PreemptionFlag().install()  # before the slow imports: see train.harness.job
     from train.main import main
 
     sys.exit(main(flag=flag))

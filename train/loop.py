@@ -4,24 +4,24 @@ from __future__ import annotations
 import gc
 import math
 import time
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from spec.config import RunConfig
-from train.data import ShardedLoader, token_file
-from train.harness.dist import DistContext
-from spec.layout import Layout
-from train.metrics import mfu, peak_memory_bytes
 from spec.model_size import flops_per_token
-from train.model import build_model
+from spec.rundir import MetricsRow, Status
 from train.checkpoint import Checkpointer
+from train.data import ShardedLoader, token_file
+from train.harness import faults
+from train.harness.run import Task
+from train.harness.watchdog import COLLECTIVE
+from train.metrics import mfu
+from train.model import build_model
 from train.parallelize import parallelize
-from train.harness.preempt import PreemptionFlag
-from train.harness.watchdog import COLLECTIVE, Watchdog
-from spec.rundir import MetricsRow, append_metrics
-
+from train.strategies.base import Engine
 
 # A checkpoint on demand: `touch RUN_DIR/SAVE_NOW`; the next step boundary saves it.
 SAVE_REQUEST = "SAVE_NOW"
@@ -37,35 +37,23 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segment: int, log,
-          flag: PreemptionFlag, ckpt: Checkpointer, watchdog: Watchdog) -> str:
+def train(task: Task, ckpt: Checkpointer) -> Status:
     """Train up to cfg.train.steps, resuming from the newest committed checkpoint.
 
-    Returns "completed", or "interrupted" after a signal (checkpoint saved and committed).
+    Returns Status.COMPLETED, or Status.INTERRUPTED after a signal (checkpoint saved and committed).
     Rank 0 appends a metrics row per logged step, tagged with the segment.
     """
+    cfg, layout, ctx, log = task.cfg, task.layout, task.ctx, task.log
     torch.manual_seed(cfg.train.seed)
-    coords = layout.coords(ctx.rank)
-    dp_rank = layout.dp_rank(ctx.rank)
     path = token_file(cfg.data, cfg.model.vocab_size)  # rank 0..N race safely on a file lock
     loader = ShardedLoader(path, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.micro_batch_size,
-                           cfg.train.grad_accum, dp_rank, layout.dp, seed=cfg.data.seed)
-    def build():
-        return parallelize(build_model(cfg.model, "meta"), cfg, layout, ctx)
-
-    engine = build()
-    log(f"rank {ctx.rank} coords {coords} device {ctx.device} backend {ctx.backend}")
-    restored = ckpt.load_latest(engine, log)
-    if restored is None and ckpt.engine_dirty:  # a rejected checkpoint was partly read into it
-        log("no checkpoint loaded: building the model again (a rejected one was partly read into it)")
-        engine = None  # freed before its replacement is built
-        torch.manual_seed(cfg.train.seed)  # the global RNG as at a fresh start (weights: own generators)
-        engine = build()
+                           cfg.train.grad_accum, layout.dp_rank(ctx.rank), layout.dp, seed=cfg.data.seed)
+    engine, restored = _build_and_restore(task, ckpt)
     if cfg.checkpoint.async_save:
         ckpt.prepare_async(engine)
     if restored is not None:
         loader.load_state_dict(restored["loader"])
-        log(f"resumed from step {restored['step']} (segment {segment})")
+        log(f"resumed from step {restored['step']} (segment {task.segment})")
 
     gc_every = cfg.train.gc_every_steps
     if gc_every > 0:  # see TrainConfig.gc_every_steps; re-enabled on the way out
@@ -73,88 +61,137 @@ def train(cfg: RunConfig, layout: Layout, ctx: DistContext, run_dir: Path, segme
         gc.freeze()  # the model, optimizer and imports: never scanned again
         gc.disable()
     try:
-        return _steps(cfg, ctx, run_dir, segment, log, flag, ckpt, watchdog, engine, loader)
+        return _steps(task, ckpt, engine, loader)
     finally:
         if gc_every > 0:
             gc.enable()
             gc.unfreeze()
 
 
-def _steps(cfg: RunConfig, ctx: DistContext, run_dir: Path, segment: int, log, flag: PreemptionFlag,
-           ckpt: Checkpointer, watchdog: Watchdog, engine, loader: ShardedLoader) -> str:
+def _build_and_restore(task: Task, ckpt: Checkpointer) -> Tuple[Engine, Optional[Dict[str, Any]]]:
+    """The engine (meta model -> parallelised, materialised once) and the checkpoint loaded into it."""
+    cfg, layout, ctx, log = task.cfg, task.layout, task.ctx, task.log
+
+    def build() -> Engine:
+        return parallelize(build_model(cfg.model, "meta"), cfg, layout, ctx)
+
+    engine = build()
+    log(f"rank {ctx.rank} coords {layout.coords(ctx.rank)} device {ctx.device} backend {ctx.backend}")
+    restored = ckpt.load_latest(engine, log)
+    if restored is None and ckpt.engine_dirty:  # a rejected checkpoint was partly read into it
+        log("no checkpoint loaded: building the model again (a rejected one was partly read into it)")
+        engine = None  # freed before its replacement is built
+        torch.manual_seed(cfg.train.seed)  # the global RNG as at a fresh start (weights: own generators)
+        engine = build()
+    return engine, restored
+
+
+@dataclass
+class Agreed:
+    """What every rank knows after a step's all-gather: the same values everywhere."""
+
+    loss: float  # of the global batch
+    grad_norm: float
+    peak_mem: int  # the busiest rank's peak
+    preempted: bool  # some rank got a signal
+    save_due: bool  # rank 0 asked for a checkpoint (minutes elapsed, or SAVE_NOW)
+
+
+def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
+           save_due: bool) -> Agreed:
+    """One small all-gather per step carries each rank's loss, grad norm, peak memory,
+    preemption flag and (rank 0's) "time to save" decision, so every rank takes the same
+    branch after it. Sums run in rank order on every rank: unlike an all-reduce, whose
+    summation order may vary, the logged loss is bitwise reproducible."""
+    ctx, flag = task.ctx, task.flag
+    local = torch.tensor([loss.item(), grad_norm.item(), engine.peak_memory_bytes(), flag.code, float(save_due)],
+                         dtype=torch.float64, device=loss.device)
+    gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
+    faults.at_step_end(task.cfg.fault, ctx.rank, step, task.watchdog)
+    task.watchdog.phase(COLLECTIVE, step)
+    dist.all_gather(gathered, local)
+    task.watchdog.progress(step + 1)
+    table = torch.stack(gathered).cpu()
+    flag.agreed_requeue = bool(table[:, 3].max() >= 2)  # some rank got the user signal
+    agreed = Agreed(loss=float(table[:, 0].sum() / ctx.world_size),
+                    grad_norm=float(table[:, 1].sum() / ctx.world_size), peak_mem=int(table[:, 2].max()),
+                    preempted=bool(table[:, 3].any()), save_due=bool(table[:, 4].any()))
+    if not math.isfinite(agreed.loss):
+        raise FloatingPointError(f"loss is {agreed.loss} at step {step + 1}; lower optim.lr")
+    return agreed
+
+
+def _save_due(task: Task, last_save: float) -> bool:
+    """Rank 0's "time to save": checkpoint.every_minutes elapsed, or RUN_DIR/SAVE_NOW exists."""
+    every = task.cfg.checkpoint.every_minutes
+    if not task.ctx.is_main:
+        return False
+    return (every > 0 and time.monotonic() - last_save >= every * 60) or (task.run_dir / SAVE_REQUEST).exists()
+
+
+class Meter:
+    """A step's metrics row from its timing and the agreed values."""
+
+    def __init__(self, cfg: RunConfig, world_size: int, device_type: str, global_batch: int) -> None:
+        self.cfg, self.world_size, self.global_batch = cfg, world_size, global_batch
+        self.tokens_per_step = global_batch * cfg.train.seq_len
+        self.flops_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        self.n_gpus = world_size if device_type == "cuda" or cfg.cluster.accelerator == "gpu" else 0
+        self.peak = cfg.cluster.peak_tflops_bf16 if self.n_gpus else None
+
+    def row(self, step: int, lr: float, agreed: Agreed, dt: float, segment: int) -> MetricsRow:
+        return MetricsRow(
+            step=step + 1, loss=agreed.loss, lr=lr, grad_norm=agreed.grad_norm, step_time_s=dt,
+            tokens_per_s=self.tokens_per_step / dt, samples_per_s=self.global_batch / dt,
+            peak_mem_bytes=agreed.peak_mem,
+            mfu=mfu(self.tokens_per_step / dt, self.flops_token, self.peak, self.n_gpus),
+            global_batch_size=self.global_batch, tokens_per_step=self.tokens_per_step,
+            world_size=self.world_size, segment=segment, time=time.time(),
+        )
+
+
+def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader) -> Status:
+    cfg, ctx, log = task.cfg, task.ctx, task.log
+    meter = Meter(cfg, ctx.world_size, ctx.device.type, loader.global_batch)
     last_save = time.monotonic()
-    tokens_per_step = loader.global_batch * cfg.train.seq_len
-    flops_token = flops_per_token(cfg.model, cfg.train.seq_len)
-    n_gpus = ctx.world_size if ctx.device.type == "cuda" or cfg.cluster.accelerator == "gpu" else 0
-    peak = cfg.cluster.peak_tflops_bf16 if n_gpus else None
-    watchdog.begin(loader.state.step)
+    task.watchdog.begin(loader.state.step)
     first = loader.state.step
     for step in range(first, cfg.train.steps):
         if cfg.train.gc_every_steps > 0 and step % cfg.train.gc_every_steps == 0:
             gc.collect(1)
         t0 = time.perf_counter()
-        watchdog.phase("compute", step)
+        task.watchdog.phase("compute", step)
         lr = lr_at(step, cfg)
         loss, grad_norm = engine.train_step(loader.next_step(), lr)
-        # One small all-gather per step carries each rank's loss, grad norm, peak memory,
-        # preemption flag and (rank 0's) "time to save" decision, so every rank takes the
-        # same branch below. Sums run in rank order on every rank: unlike an all-reduce,
-        # whose summation order may vary, the logged loss is bitwise reproducible.
-        minutes_due = cfg.checkpoint.every_minutes > 0 and ctx.is_main and \
-            time.monotonic() - last_save >= cfg.checkpoint.every_minutes * 60
-        requested = ctx.is_main and (run_dir / SAVE_REQUEST).exists()  # on demand: touch RUN_DIR/SAVE_NOW
-        minutes_due = minutes_due or requested
-        local = torch.tensor([loss.item(), grad_norm.item(), peak_memory_bytes(ctx.device), flag.code,
-                              float(minutes_due)], dtype=torch.float64, device=loss.device)
-        gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
-        if step + 1 == cfg.fault.raise_at_step:
-            raise RuntimeError(f"fault.raise_at_step={step + 1}: injected failure")
-        if ctx.rank == cfg.fault.hang_rank and step + 1 == cfg.fault.hang_at_step:
-            watchdog.phase("fault: sleeping before the collective", step)
-            time.sleep(cfg.fault.hang_s)
-        watchdog.phase(COLLECTIVE, step)
-        dist.all_gather(gathered, local)
-        watchdog.progress(step + 1)
-        table = torch.stack(gathered).cpu()
-        loss_value = float(table[:, 0].sum() / ctx.world_size)  # = loss of the global batch
-        norm_value = float(table[:, 1].sum() / ctx.world_size)
-        peak_mem = int(table[:, 2].max())  # the busiest rank's peak
-        preempted, save_due = bool(table[:, 3].any()), bool(table[:, 4].any())
-        flag.agreed_requeue = bool(table[:, 3].max() >= 2)  # some rank got the user signal
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss is {loss_value} at step {step + 1}; lower optim.lr")
+        agreed = _agree(task, engine, step, loss, grad_norm, _save_due(task, last_save))
         dt = time.perf_counter() - t0
-        row = MetricsRow(
-            step=step + 1, loss=loss_value, lr=lr, grad_norm=norm_value, step_time_s=dt,
-            tokens_per_s=tokens_per_step / dt, samples_per_s=loader.global_batch / dt,
-            peak_mem_bytes=peak_mem, mfu=mfu(tokens_per_step / dt, flops_token, peak, n_gpus),
-            global_batch_size=loader.global_batch, tokens_per_step=tokens_per_step,
-            world_size=ctx.world_size, segment=segment, time=time.time(),
-        )
         if ctx.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
-            append_metrics(run_dir, row)
-            log(f"step {step + 1}/{cfg.train.steps} loss {loss_value:.4f} tokens/s {row.tokens_per_s:.0f} "
-                f"step {dt * 1000:.1f} ms")
+            task.write_metrics(meter.row(step, lr, agreed, dt, task.segment))
+            log(f"step {step + 1}/{cfg.train.steps} loss {agreed.loss:.4f} tokens/s "
+                f"{meter.tokens_per_step / dt:.0f} step {dt * 1000:.1f} ms")
         every = cfg.checkpoint.every_steps
-        if preempted or save_due or (every and (step + 1) % every == 0 and step + 1 < cfg.train.steps):
-            fault_kill = cfg.fault.kill_in_save_at_step == step + 1
-            watchdog.phase("checkpoint", step + 1)
-            background = cfg.checkpoint.async_save and not preempted
-            ckpt.save(engine, step + 1, {"loader": loader.state_dict()}, kill_before_commit=fault_kill,
-                      blocking=not background)
+        if agreed.preempted or agreed.save_due or (every and (step + 1) % every == 0 and step + 1 < cfg.train.steps):
+            _save(task, ckpt, engine, loader, step, agreed.preempted)
             last_save = time.monotonic()
-            watchdog.progress(step + 1)
-            if ctx.is_main:
-                (run_dir / SAVE_REQUEST).unlink(missing_ok=True)
-            log(f"checkpoint step {step + 1} {'started' if background else 'committed'} in "
-                f"{ckpt.last_save_s:.2f} s")
-            if preempted:
+            if agreed.preempted:
                 ckpt.close()  # old checkpoints pruned before the job is requeued
-                return "interrupted"
+                return Status.INTERRUPTED
         ckpt.poll()
         if cfg.checkpoint.async_save and step == first and ckpt.reserve_async(engine):
             log("host buffers for async saves: being allocated in the background")
-        if cfg.fault.step_delay_s:
-            time.sleep(cfg.fault.step_delay_s)
+        faults.after_step(cfg.fault)
     ckpt.close()
-    return "completed"
+    return Status.COMPLETED
+
+
+def _save(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader, step: int, preempted: bool) -> None:
+    """The checkpoint of the step that just ran: blocking on a signal, else as configured."""
+    cfg = task.cfg
+    task.watchdog.phase("checkpoint", step + 1)
+    background = cfg.checkpoint.async_save and not preempted
+    ckpt.save(engine, step + 1, {"loader": loader.state_dict()},
+              kill_before_commit=cfg.fault.kill_in_save_at_step == step + 1, blocking=not background)
+    task.watchdog.progress(step + 1)
+    if task.ctx.is_main:
+        (task.run_dir / SAVE_REQUEST).unlink(missing_ok=True)
+    task.log(f"checkpoint step {step + 1} {'started' if background else 'committed'} in {ckpt.last_save_s:.2f} s")

@@ -4,7 +4,9 @@ MFU = achieved FLOP/s / (peak FLOP/s per GPU x GPUs). FLOPs per token follow the
 paper's estimate used by torchtitan (spec/model_size.py, shared with the planner):
 6 x (parameters without embeddings) for the dense matmuls of forward and backward, plus
 12 x layers x heads x head_dim x seq_len for attention scores. Peak is the cluster
-group's dense bf16 figure; without one, MFU is null.
+group's dense bf16 figure; without one, MFU is null. Memory is each engine's report
+(:meth:`train.strategies.base.Engine.peak_memory_bytes`), by default
+:func:`peak_memory_bytes` of its device.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
 
-Built on the meta device (no memory), parallelised, then materialised with
-``to_empty`` + :meth:`Transformer.init_weights`, as torchtitan does. Initialisation
+Built on the meta device (no memory), parallelised, then materialised once by
+:func:`materialise` (``to_empty`` + :meth:`Transformer.init_weights`), as torchtitan does. Initialisation
 draws from an explicit generator so every rank (and a single-process reference) gets
 the same weights.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -166,3 +166,12 @@ class Transformer(nn.Module):
 def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Transformer:
     with torch.device(device):
         return Transformer(cfg)
+
+
+def materialise(parts: Iterable[nn.Module], seed: int, device: torch.device) -> None:
+    """Allocate the (sharded) meta model parts on ``device`` and fill them with their
+    initial weights: the trainer's one materialisation, between a builder's ``wrap`` and
+    ``finish`` (train/strategies/base.py). A DDP or DeepSpeed wrapper does not exist yet."""
+    for part in parts:
+        part.to_empty(device=device)
+        part.init_weights(seed, device)

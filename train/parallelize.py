@@ -1,9 +1,11 @@
-"""Apply parallelism in one fixed order (as torchtitan does):
+"""Meta model -> engine, in one fixed order (as torchtitan does):
 
 1. tensor parallel (needs the plain module tree, before any wrapper),
 2. activation checkpointing (wraps each block; must see TP's modules, not FSDP's),
 3. torch.compile per block (compiles the checkpointed, TP-sharded block),
-4. data parallel: DDP / FSDP / DeepSpeed, which also materialises the meta model.
+4. the builder's ``wrap``: FSDP shards the meta model (DDP and DeepSpeed wait),
+5. materialise and initialise every model part once (:func:`train.model.materialise`),
+6. the builder's ``finish``: DDP / ``deepspeed.initialize``, optimizers, the engine.
 
 With pipeline parallel the model is first split into stages and every stage goes
 through the same order (train/strategies/pp.py).
@@ -14,12 +16,13 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from spec.config import RunConfig
-from train.harness.dist import DistContext
 from spec.layout import Layout
-from train.mesh import build_mesh
-from train.model import Transformer
 from spec.support import check_supported
+from train.harness.dist import DistContext
+from train.mesh import build_mesh
+from train.model import Transformer, materialise
 from train.strategies import get_builder
+from train.strategies.base import Engine, EngineBuilder
 from train.strategies.tp import apply_tp
 
 
@@ -37,22 +40,29 @@ def apply_compile(model: Transformer) -> None:
         model.layers[name] = torch.compile(block, fullgraph=True)
 
 
-def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext):
-    """Meta model -> engine. Builds the job's one DeviceMesh and hands it to the builder."""
+def make_builder(cfg: RunConfig, layout: Layout, ctx: DistContext) -> EngineBuilder:
+    """The job's one DeviceMesh and the builder of its strategy (collective: the mesh)."""
     check_supported(cfg, layout)
     mesh = build_mesh(layout, ctx.device.type)
+    if layout.pp_enabled:
+        from train.strategies.pp import PipelineBuilder
+
+        return PipelineBuilder(cfg, layout, ctx, mesh)
+    return get_builder(cfg)(cfg, layout, ctx, mesh)
+
+
+def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext) -> Engine:
+    """Steps 1-6 above on ``model`` (on the meta device)."""
+    builder = make_builder(cfg, layout, ctx)
 
     def prepare(part: Transformer) -> None:
         """Steps 1-3 on the whole model, or on one pipeline stage."""
         if layout.tp_enabled:
-            apply_tp(part, mesh["tp"])
+            apply_tp(part, builder.mesh["tp"])
         apply_activation_checkpointing(part, cfg.strategy.activation_checkpointing)
         if cfg.strategy.compile:
             apply_compile(part)
 
-    if layout.pp_enabled:
-        from train.strategies.pp import build_pipeline
-
-        return build_pipeline(model, cfg, layout, ctx, mesh, prepare)
-    prepare(model)
-    return get_builder(cfg)(model, cfg, layout, ctx, mesh)
+    parts = builder.wrap(model, prepare)
+    materialise(parts, cfg.train.seed, ctx.device)
+    return builder.finish(parts)

@@ -10,7 +10,7 @@ import re
 from datetime import datetime
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from spec.rundir import steady
+from spec.rundir import Status, status_of, steady
 
 # Overrides that change only the size of a point: points differing in these alone form
 # one scaling series (the same run on more ranks).
@@ -144,9 +144,9 @@ def classify(state: str, exit_code: str = "", text: str = "", info: Optional[Dic
         return _STATE_CLASS[word], f"sacct state {word}"
     # A run stopped by the requeue cap says after which kind of interruption.
     stop = f"{info.get('stop_reason', '')} {info.get('last_interruption', '')}"
-    if info.get("status") == "stopped" and "timeout" in stop:
+    if status_of(info) is Status.STOPPED and "timeout" in stop:
         return "time limit", info.get("stop_reason") or "stopped after a time limit"
-    if info.get("status") == "stopped" and "preempt" in stop:
+    if status_of(info) is Status.STOPPED and "preempt" in stop:
         return "preempted", info.get("stop_reason") or "stopped after preemption"
     haystack = f"{info.get('error', '')}\n{text}"
     # A cancelled job's ranks die mid-collective and log connection errors; those are

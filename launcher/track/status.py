@@ -24,7 +24,7 @@ from launcher.track import registry
 from launcher.track.scaling import classify, point_metrics, slurm_time, stitch, varying_overrides
 from slurm import query
 from slurm.states import ACTIVE, PENDING, is_job_id
-from spec.rundir import read_metrics, read_run_json
+from spec.rundir import Status, read_metrics, read_run_json, status_of
 
 # sbatch returns before the registry line is written, so a job's Submit precedes it by
 # the submission latency; the slack on the other side absorbs login/controller clock skew.
@@ -170,7 +170,7 @@ def _log_tail(run_dir: Optional[Path], limit: int = 16384) -> str:
 
 def settle(p: Point, slurm_ok: bool) -> None:
     """Decide outcome, displayed state and (for failures) the class."""
-    status = p.run.get("status", "")
+    raw, status = str(p.run.get("status") or ""), status_of(p.run)
     if p.event == "skipped":
         p.outcome, p.state = "skipped", "SKIPPED"
         return
@@ -184,15 +184,15 @@ def settle(p: Point, slurm_ok: bool) -> None:
         return
     if last:
         p.state = last
-        p.outcome = "completed" if last == "COMPLETED" and status == "completed" else "failed"
+        p.outcome = "completed" if last == "COMPLETED" and status is Status.COMPLETED else "failed"
     elif not is_job_id(p.job_id) or not slurm_ok or p.reused:
         # A local run, Slurm unreachable, or no record of ours left: run.json decides.
-        p.state = status.upper() or "UNKNOWN"
-        p.outcome = {"completed": "completed", "failed": "failed", "stopped": "failed",
-                     "interrupted": "failed"}.get(status, "failed" if p.reused else "unknown")
+        p.state = raw.upper() or "UNKNOWN"
+        p.outcome = {Status.COMPLETED: "completed", Status.FAILED: "failed", Status.STOPPED: "failed",
+                     Status.INTERRUPTED: "failed"}.get(status, "failed" if p.reused else "unknown")
     else:
-        p.state = status.upper() or "UNKNOWN"
-        p.outcome = "completed" if status == "completed" else "failed"
+        p.state = raw.upper() or "UNKNOWN"
+        p.outcome = "completed" if status is Status.COMPLETED else "failed"
         p.detail = p.detail or f"job {p.job_id} is in neither squeue nor sacct"
     if p.outcome == "failed":
         exit_code = p.acct[-1]["ExitCode"] if p.acct else ""

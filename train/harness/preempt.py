@@ -4,7 +4,7 @@
    at once on preemption with ``preempt_send_user_signal``); an explicit
    ``scancel --signal=USR2`` does the same. SIGTERM (``scancel``, ``scontrol requeue``,
    the end of a preemption grace time) is caught too. The handler only sets a flag.
-2. At the next step boundary the ranks agree: the flag rides in the per-step all-reduce
+2. At the next step boundary the ranks agree: the flag rides in the per-step all-gather
    of the loss, so no extra collective is needed and every rank sees the same decision.
 3. All ranks save one checkpoint together and commit it atomically (train.checkpoint).
 4. Rank 0 decides: a signal with little time left is a *timeout*, otherwise a

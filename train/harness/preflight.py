@@ -123,7 +123,7 @@ def run_preflight(ctx, run_dir: Path, threshold: float, exclude: bool, log: Call
     import torch.distributed as dist
 
     from train.harness.dist import shutdown
-    from spec.rundir import update_run_json
+    from spec.rundir import Status, update_run_json
 
     t0 = time.time()
     mine = {"rank": ctx.rank, "host": ctx.hostname, "node": ctx.node_rank, "local_rank": ctx.local_rank,
@@ -146,7 +146,7 @@ def run_preflight(ctx, run_dir: Path, threshold: float, exclude: bool, log: Call
         message = (f"preflight marked outlier nodes {', '.join(bad)} ({reasons}); `python -m launcher.resume "
                    f"{run_dir}` excludes them (or set train.preflight_exclude=false)")
         if ctx.is_main:
-            update_run_json(run_dir, status="failed", failure=FAILURE, suspect_nodes=bad, error=message,
+            update_run_json(run_dir, status=Status.FAILED, failure=FAILURE, suspect_nodes=bad, error=message,
                             ended_at=time.time())
         shutdown()
         raise PreflightError(message)

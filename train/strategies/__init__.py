@@ -1,21 +1,21 @@
-"""Strategy builders, registered by name behind one signature.
+"""Strategy builders, registered by name (:mod:`spec.support`'s table says which exist).
 
-``build(model, cfg, layout, ctx, mesh) -> engine``: takes the model on the meta device
-(tensor parallel and activation checkpointing already applied by
-:func:`train.parallelize.parallelize`, which also built ``mesh``), materialises and wraps
-it, and returns an engine with ``train_step(micro_batches, lr) -> (loss, grad_norm)``
-(:class:`train.strategies.base.TorchEngine` or the DeepSpeed adapter). Which
-combinations exist is :mod:`spec.support`'s table.
+Each is an :class:`train.strategies.base.EngineBuilder` made with ``(cfg, layout, ctx,
+mesh)``: ``wrap(model, prepare)`` on the meta device returns the model parts, the
+trainer materialises and initialises them once, ``finish(parts)`` returns the
+:class:`train.strategies.base.Engine`. Pipeline parallel has its own builder
+(:class:`train.strategies.pp.PipelineBuilder`) over any of the data-parallel choices.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import Type
 
 from spec.config import RunConfig
 from spec.support import BUILDERS, builder_key
 
 
-def get_builder(cfg: RunConfig) -> Callable:
-    module, func = BUILDERS[builder_key(cfg)].split(":")
-    return getattr(importlib.import_module(module), func)
+def get_builder(cfg: RunConfig) -> Type:
+    """The builder class of ``cfg``'s (engine, data_parallel) without pipeline parallel."""
+    module, name = BUILDERS[builder_key(cfg)].split(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,10 +1,22 @@
-"""What every strategy builder returns: an engine that runs one optimizer step.
+"""The engine protocol: what a strategy builds and what the trainer and the checkpoints speak.
 
-:class:`Engine` is the protocol the trainer and the checkpoints speak; no caller asks an
-engine what it is (``hasattr``), it asks the engine. Torch engines checkpoint through
-torch.distributed.checkpoint (``state_dict`` / ``load_state_dict``); an engine with
-``native_checkpoint`` (DeepSpeed) writes and reads its own files (``save_native`` /
-``load_native``).
+Building an engine has three steps, as torchtitan does it (:func:`train.parallelize.parallelize`
+runs them in order):
+
+1. :meth:`EngineBuilder.wrap`, on the meta device: the builder applies the model
+   preparation it is handed (tensor parallel, activation checkpointing, compile), then
+   shards (FSDP) or splits (pipeline stages); it returns the *model parts* (one module,
+   or one per pipeline stage held by this rank). Nothing is allocated yet.
+2. The trainer materialises and initialises every part once
+   (:func:`train.model.materialise`: ``to_empty`` + ``init_weights``).
+3. :meth:`EngineBuilder.finish`: whatever needs real weights: DDP (it broadcasts the
+   parameters when constructed), ``deepspeed.initialize`` (it takes the optimizer), the
+   optimizers, pipeline stages and schedule. It returns the :class:`Engine`.
+
+:class:`Engine` is all a caller may ask: no caller asks an engine what it is
+(``hasattr``). Torch engines checkpoint through torch.distributed.checkpoint
+(``state_dict`` / ``load_state_dict``); an engine with ``native_checkpoint`` (DeepSpeed)
+writes and reads its own files (``save_native`` / ``load_native``).
 """
 from __future__ import annotations
 
@@ -17,6 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from spec.config import OptimConfig, RunConfig
+from spec.layout import Layout
+from train.harness.dist import DistContext
+from train.metrics import peak_memory_bytes
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+#: Steps 1-3 of parallelisation on one module (the whole model or a pipeline stage).
+Prepare = Callable[[nn.Module], None]
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -43,14 +62,15 @@ def compute_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
 
 
 class Engine(Protocol):
-    module: nn.Module
-    optimizer: Any
+    #: This rank's model parts (one module; with pipeline parallel, one per stage held).
+    model_parts: List[nn.Module]
+    #: One optimizer per part (DeepSpeed: its own wrapper of the client optimizer).
+    optimizers: List[Any]
     device: torch.device
     #: True when the engine writes its own checkpoint files (DeepSpeed); False: DCP.
     native_checkpoint: bool
 
-    def train_step(self, micro_batches: Iterable[Tuple[torch.Tensor, torch.Tensor]], lr: float
-                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, micro_batches: Iterable[Batch], lr: float) -> Tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: (mean loss over this rank's micro-batches, grad norm before clipping)."""
 
     def state_dict(self) -> Dict[str, Any]:
@@ -65,8 +85,44 @@ class Engine(Protocol):
     def load_native(self, path: Path) -> None:
         """Read what :meth:`save_native` wrote (native_checkpoint only)."""
 
+    def peak_memory_bytes(self) -> int:
+        """This rank's peak memory so far, what the metrics report as ``peak_mem_bytes``."""
 
-class DCPState:
+
+class EngineBuilder:
+    """Base of the strategy builders: wrap on the meta device, then finish after init.
+
+    Subclasses override :meth:`shard` (phase 1, optional) and :meth:`finish` (phase 3);
+    the pipeline builder overrides :meth:`wrap` itself (one part per stage).
+    """
+
+    def __init__(self, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh) -> None:
+        self.cfg, self.layout, self.ctx, self.mesh = cfg, layout, ctx, mesh
+
+    def wrap(self, model: nn.Module, prepare: Prepare) -> List[nn.Module]:
+        """Phase 1 (meta device): prepare, shard; returns the model parts to materialise."""
+        prepare(model)
+        self.shard(model)
+        return [model]
+
+    def shard(self, model: nn.Module) -> None:
+        """Sharding that must happen on the meta model (FSDP); none by default."""
+
+    def finish(self, parts: List[nn.Module]) -> Engine:
+        """Phase 3 (parts materialised and initialised): wrap, build optimizers, return the engine."""
+        raise NotImplementedError
+
+
+class DeviceMemory:
+    """The memory report of an engine that runs on one device: see :func:`train.metrics.peak_memory_bytes`."""
+
+    device: torch.device
+
+    def peak_memory_bytes(self) -> int:
+        return peak_memory_bytes(self.device)
+
+
+class DCPState(DeviceMemory):
     """Model + optimizer through torch's get/set_state_dict (DDP, FSDP2, TP alike)."""
 
     native_checkpoint = False
@@ -100,6 +156,7 @@ class TorchEngine(DCPState):
                  device: torch.device, no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None):
         self.module = module
         self.optimizer = optimizer
+        self.model_parts, self.optimizers = [module], [optimizer]
         self.device = device
         self.grad_clip = cfg.optim.grad_clip
         self.dtype = compute_dtype(cfg, device)
@@ -110,8 +167,7 @@ class TorchEngine(DCPState):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def train_step(self, micro_batches: Iterable[Tuple[torch.Tensor, torch.Tensor]], lr: float
-                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, micro_batches: Iterable[Batch], lr: float) -> Tuple[torch.Tensor, torch.Tensor]:
         """Returns (mean loss over this rank's micro-batches, global grad norm before clipping)."""
         batches = list(micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
@@ -128,7 +184,13 @@ class TorchEngine(DCPState):
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizers, lr)
         self.optimizer.step()
         return total, grad_norm
+
+
+def set_lr(optimizers: Iterable[Any], lr: float) -> None:
+    """The loop owns the schedule: every engine sets the step's learning rate here."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = lr

@@ -1,20 +1,22 @@
 """DistributedDataParallel: full replicas, gradients all-reduced in buckets.
 
 ``gradient_as_bucket_view=True`` makes gradients views into the communication buckets,
-so a rank holds one gradient copy (4 B/param in fp32) instead of two.
+so a rank holds one gradient copy (4 B/param in fp32) instead of two. Nothing happens on
+the meta model: DDP wraps in :meth:`DDPBuilder.finish`, after the trainer initialised
+the weights, because it broadcasts rank 0's parameters when constructed.
 """
 from __future__ import annotations
 
+from typing import List
+
 import torch
-from torch.distributed.device_mesh import DeviceMesh
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spec.config import RunConfig
 from train.harness.dist import DistContext
-from spec.layout import Layout
 from train.mesh import data_parallel_mesh
-from train.model import Transformer
-from train.strategies.base import TorchEngine, build_adamw
+from train.strategies.base import EngineBuilder, TorchEngine, build_adamw
 
 
 def settle_buckets(wrapped: DDP, cfg: RunConfig, ctx: DistContext) -> None:
@@ -32,13 +34,17 @@ def settle_buckets(wrapped: DDP, cfg: RunConfig, ctx: DistContext) -> None:
     wrapped.zero_grad(set_to_none=True)
 
 
-def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh: DeviceMesh) -> TorchEngine:
-    model.to_empty(device=ctx.device)
-    model.init_weights(cfg.train.seed, ctx.device)
+def wrap_ddp(module: nn.Module, ctx: DistContext, mesh, **options) -> DDP:
+    """DDP over the data-parallel ranks of ``mesh`` (also a pipeline stage's wrapper)."""
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    # All-reduce over the data-parallel ranks only (the world, until PP/TP ranks exist).
-    wrapped = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                  process_group=data_parallel_mesh(mesh).get_group())
-    settle_buckets(wrapped, cfg, ctx)
-    optimizer = build_adamw(wrapped, cfg.optim, ctx.device)
-    return TorchEngine(wrapped, optimizer, cfg, ctx.device, no_sync=wrapped.no_sync)
+    return DDP(module, device_ids=device_ids, gradient_as_bucket_view=True,
+               process_group=data_parallel_mesh(mesh).get_group(), **options)
+
+
+class DDPBuilder(EngineBuilder):
+    def finish(self, parts: List[nn.Module]) -> TorchEngine:
+        # With pp = tp = 1 (the only layouts plain DDP takes) the dp group is the world.
+        wrapped = wrap_ddp(parts[0], self.ctx, self.mesh)
+        settle_buckets(wrapped, self.cfg, self.ctx)
+        optimizer = build_adamw(wrapped, self.cfg.optim, self.ctx.device)
+        return TorchEngine(wrapped, optimizer, self.cfg, self.ctx.device, no_sync=wrapped.no_sync)

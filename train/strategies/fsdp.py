@@ -13,32 +13,31 @@ Three strategies share this builder, differing only in config:
 
 Each transformer block is its own FSDP unit (one all-gather per block, overlapped with
 the previous block's compute), then the root takes the rest (embeddings, final norm,
-head). The model stays on the meta device until sharded, then every rank materialises
-only its shards and fills them with the same weights as an unsharded model
-(:meth:`train.model.Transformer.init_weights` handles DTensors).
+head). Sharding happens on the meta device (:meth:`FSDPBuilder.shard`); the trainer
+then materialises only this rank's shards and fills them with the same weights as an
+unsharded model (:meth:`train.model.Transformer.init_weights` handles DTensors).
 """
 from __future__ import annotations
 
-from typing import Iterable, Tuple
+from typing import Iterable, List, Tuple
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from spec.config import RunConfig
-from train.harness.dist import DistContext
 from spec.layout import Layout
 from train.mesh import dp_mesh
 from train.model import Transformer
-from train.strategies.base import TorchEngine, build_adamw, compute_dtype
+from train.strategies.base import Batch, EngineBuilder, TorchEngine, build_adamw, compute_dtype
 
 
 class DTensorEngine(TorchEngine):
     """TorchEngine over DTensor parameters (FSDP2, TP): the grad norm comes back a plain tensor."""
 
-    def train_step(self, micro_batches: Iterable[Tuple[torch.Tensor, torch.Tensor]], lr: float
-                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, micro_batches: Iterable[Batch], lr: float) -> Tuple[torch.Tensor, torch.Tensor]:
         loss, grad_norm = super().train_step(micro_batches, lr)
         if isinstance(grad_norm, DTensor):  # clip_grad_norm_ over DTensors: reduce the partial norms
             grad_norm = grad_norm.full_tensor()
@@ -60,15 +59,19 @@ def apply_fsdp(model: Transformer, cfg: RunConfig, layout: Layout, mesh: DeviceM
     fully_shard(model, mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
-def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh: DeviceMesh) -> DTensorEngine:
-    """Shard over the dp dims of ``mesh``, materialise, and wrap in an engine."""
-    apply_fsdp(model, cfg, layout, mesh, ctx.device)
-    model.to_empty(device=ctx.device)
-    model.init_weights(cfg.train.seed, ctx.device)
-    optimizer = build_adamw(model, cfg.optim, ctx.device)
-    engine = DTensorEngine(model, optimizer, cfg, ctx.device)
-    # The mixed-precision policy already casts parameters for compute; autocast on top
-    # would only add casts. Gradient accumulation needs no no_sync: each micro-batch's
-    # reduce-scatter adds into the sharded gradient, which keeps memory at 1/N.
-    engine.dtype = torch.float32
-    return engine
+def dtensor_engine(part: nn.Module, cfg: RunConfig, device: torch.device) -> DTensorEngine:
+    """AdamW over one materialised part whose parameters are DTensors (FSDP, TP)."""
+    return DTensorEngine(part, build_adamw(part, cfg.optim, device), cfg, device)
+
+
+class FSDPBuilder(EngineBuilder):
+    def shard(self, model: nn.Module) -> None:
+        apply_fsdp(model, self.cfg, self.layout, self.mesh, self.ctx.device)
+
+    def finish(self, parts: List[nn.Module]) -> DTensorEngine:
+        engine = dtensor_engine(parts[0], self.cfg, self.ctx.device)
+        # The mixed-precision policy already casts parameters for compute; autocast on top
+        # would only add casts. Gradient accumulation needs no no_sync: each micro-batch's
+        # reduce-scatter adds into the sharded gradient, which keeps memory at 1/N.
+        engine.dtype = torch.float32
+        return engine

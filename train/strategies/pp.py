@@ -9,10 +9,12 @@ are deleted and the root modules it does not hold are ``None``, so every paramet
 keeps its name in the full model (checkpoints, weight init and the planner agree).
 
 Per stage, in the order of :mod:`train.parallelize`: tensor parallel, activation
-checkpointing, compile, then the data-parallel wrapper over the ranks of the same
-stage (``data_parallel``: ``none``; ``ddp``, whose gradient all-reduce the stage runs
-only with the last micro-batch's backward; ``fsdp``, sharded as
-:func:`train.strategies.fsdp.apply_fsdp`), then materialisation and init.
+checkpointing, compile and, with ``data_parallel=fsdp``, sharding as
+:func:`train.strategies.fsdp.apply_fsdp` (:meth:`PipelineBuilder.wrap`, on the meta
+device); the trainer materialises and initialises the stages; then
+(:meth:`PipelineBuilder.finish`) ``data_parallel=ddp`` wraps each stage in DDP over the
+ranks of the same stage (its gradient all-reduce runs only with the last micro-batch's
+backward), and the optimizers, ``PipelineStage`` objects and schedule are built.
 
 A step: the rank's micro-batches of the step (``train.grad_accum`` of
 ``train.micro_batch_size`` sequences) are concatenated and the schedule splits them into
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,15 +47,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spec.config import RunConfig
-from train.harness.dist import DistContext
 from spec.layout import Layout
-from train.mesh import data_parallel_mesh
-from train.model import Transformer
 from spec.support import stages_per_rank
-from train.strategies.base import DCPState, build_adamw, compute_dtype, loss_fn
+from train.harness.dist import DistContext
+from train.model import Transformer
+from train.strategies.base import Batch, DCPState, EngineBuilder, Prepare, build_adamw, compute_dtype, loss_fn, set_lr
+from train.strategies.ddp import wrap_ddp
 from train.strategies.fsdp import apply_fsdp
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -91,7 +92,7 @@ class PipelineEngine(DCPState):
     def __init__(self, parts: List[nn.Module], optimizers: List[torch.optim.Optimizer], schedule, cfg: RunConfig,
                  device: torch.device, pp_group, first: bool, last: bool,
                  autocast: Optional[torch.dtype] = None) -> None:
-        self.parts = parts
+        self.parts = self.model_parts = parts
         self.optimizers = optimizers
         self.schedule = schedule
         self.device = device
@@ -101,8 +102,7 @@ class PipelineEngine(DCPState):
         self.autocast = autocast
         self._last_rank = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
 
-    def train_step(self, micro_batches: Iterable[Tuple[torch.Tensor, torch.Tensor]], lr: float
-                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, micro_batches: Iterable[Batch], lr: float) -> Tuple[torch.Tensor, torch.Tensor]:
         """Returns (mean loss of the batch, global grad norm before clipping) on every rank."""
         batches = list(micro_batches)
         inputs = torch.cat([x for x, _ in batches]).to(self.device, non_blocking=True)
@@ -122,9 +122,8 @@ class PipelineEngine(DCPState):
             loss = torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self._last_rank, group=self.pp_group)
         grad_norm = self._clip()
+        set_lr(self.optimizers, lr)
         for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = lr
             opt.step()
         return loss, grad_norm
 
@@ -164,43 +163,45 @@ class PipelineEngine(DCPState):
                            optim_state_dict={k: state["optim"][k] for k in mine_o}, options=options)
 
 
-def build_pipeline(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh: DeviceMesh,
-                   prepare: Callable[[nn.Module], None]) -> PipelineEngine:
-    """Split the meta model into this rank's stages, ``prepare`` each (TP, activation
-    checkpointing, compile), wrap it for data parallel, materialise, and build the schedule."""
-    s = cfg.strategy
-    pp_mesh = mesh["pp"]
-    pp_rank, pp = pp_mesh.get_local_rank(), layout.pp
-    v = stages_per_rank(s.pp_schedule)
-    n_stages = pp * v
-    layers = split_layers(cfg.model.n_layers, n_stages)
-    stage_ids = [pp_rank + i * pp for i in range(v)]
-    parts: List[nn.Module] = []
-    stages: List[PipelineStage] = []
-    optimizers: List[torch.optim.Optimizer] = []
-    for sid in stage_ids:
-        part = stage_module(model, layers[sid], first=sid == 0, last=sid == n_stages - 1)
-        prepare(part)
-        if s.data_parallel == "fsdp":
-            apply_fsdp(part, cfg, layout, mesh, ctx.device)
-        part.to_empty(device=ctx.device)
-        part.init_weights(cfg.train.seed, ctx.device)
-        if s.data_parallel == "ddp" and layout.dp > 1:
-            device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+class PipelineBuilder(EngineBuilder):
+    """This rank's stages: split and prepared on the meta device, finished after init."""
+
+    def __init__(self, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh: DeviceMesh) -> None:
+        super().__init__(cfg, layout, ctx, mesh)
+        self.v = stages_per_rank(cfg.strategy.pp_schedule)
+        self.n_stages = layout.pp * self.v
+        self.pp_rank = mesh["pp"].get_local_rank()
+        self.stage_ids = [self.pp_rank + i * layout.pp for i in range(self.v)]
+
+    def wrap(self, model: nn.Module, prepare: Prepare) -> List[nn.Module]:
+        """One pruned copy of the meta model per stage held here, prepared (TP, activation
+        checkpointing, compile) and, with ``data_parallel=fsdp``, sharded."""
+        layers = split_layers(self.cfg.model.n_layers, self.n_stages)
+        parts = []
+        for sid in self.stage_ids:
+            part = stage_module(model, layers[sid], first=sid == 0, last=sid == self.n_stages - 1)
+            prepare(part)
+            if self.cfg.strategy.data_parallel == "fsdp":
+                apply_fsdp(part, self.cfg, self.layout, self.mesh, self.ctx.device)
+            parts.append(part)
+        return parts
+
+    def finish(self, parts: List[nn.Module]) -> PipelineEngine:
+        """DDP per stage (``data_parallel=ddp``), one optimizer per stage, the schedule."""
+        s, ctx, pp_group = self.cfg.strategy, self.ctx, self.mesh["pp"].get_group()
+        if s.data_parallel == "ddp" and self.layout.dp > 1:
             # find_unused_parameters: no bucket rebuild after the first step. Its record of the
             # order gradients became ready took every microbatch's backward (GPipe, or m <= pp:
             # "rebuilt parameter indices size ... 10 versus 20", torch 2.13); PipelineStage runs
             # all but the last under no_sync and prepares the reducer for the last itself.
-            part = DDP(part, device_ids=device_ids, gradient_as_bucket_view=True, find_unused_parameters=True,
-                       process_group=data_parallel_mesh(mesh).get_group())
-        parts.append(part)
-        optimizers.append(build_adamw(part, cfg.optim, ctx.device))
-        stages.append(PipelineStage(part, sid, n_stages, ctx.device, group=pp_mesh.get_group()))
-    schedule_cls = SCHEDULES[s.pp_schedule]
-    schedule = schedule_cls(stages if v > 1 else stages[0], n_microbatches=s.pp_microbatches, loss_fn=loss_fn,
-                            scale_grads=True)
-    # FSDP casts through its mixed-precision policy; otherwise autocast around the schedule.
-    autocast = s.data_parallel != "fsdp" and compute_dtype(cfg, ctx.device) != torch.float32
-    return PipelineEngine(parts, optimizers, schedule, cfg, ctx.device, pp_mesh.get_group(),
-                          first=pp_rank == 0, last=pp_rank == pp - 1,
-                          autocast=compute_dtype(cfg, ctx.device) if autocast else None)
+            parts = [wrap_ddp(part, ctx, self.mesh, find_unused_parameters=True) for part in parts]
+        optimizers = [build_adamw(part, self.cfg.optim, ctx.device) for part in parts]
+        stages = [PipelineStage(part, sid, self.n_stages, ctx.device, group=pp_group)
+                  for part, sid in zip(parts, self.stage_ids)]
+        schedule = SCHEDULES[s.pp_schedule](stages if self.v > 1 else stages[0], n_microbatches=s.pp_microbatches,
+                                            loss_fn=loss_fn, scale_grads=True)
+        # FSDP casts through its mixed-precision policy; otherwise autocast around the schedule.
+        dtype = compute_dtype(self.cfg, ctx.device)
+        autocast = dtype if s.data_parallel != "fsdp" and dtype != torch.float32 else None
+        return PipelineEngine(parts, optimizers, schedule, self.cfg, ctx.device, pp_group,
+                              first=self.pp_rank == 0, last=self.pp_rank == self.layout.pp - 1, autocast=autocast)

@@ -18,19 +18,17 @@ The model's Attention views with -1 heads, so it runs unchanged on its local hea
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from spec.config import RunConfig
-from train.harness.dist import DistContext
-from spec.layout import Layout
 from train.model import Transformer
-from train.strategies.base import build_adamw
-from train.strategies.fsdp import DTensorEngine
+from train.strategies.base import EngineBuilder
+from train.strategies.fsdp import DTensorEngine, dtensor_engine
 
 
 def root_plan() -> Dict[str, ParallelStyle]:
@@ -69,9 +67,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
         parallelize_module(block, tp_mesh, block_plan())
 
 
-def build(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext, mesh: DeviceMesh) -> DTensorEngine:
-    """Tensor parallel only (no data parallel): parallelize() has applied the plan already."""
-    model.to_empty(device=ctx.device)
-    model.init_weights(cfg.train.seed, ctx.device)
-    optimizer = build_adamw(model, cfg.optim, ctx.device)
-    return DTensorEngine(model, optimizer, cfg, ctx.device)
+class TPBuilder(EngineBuilder):
+    """Tensor parallel only (no data parallel): the preparation applied the plan already."""
+
+    def finish(self, parts: List[nn.Module]) -> DTensorEngine:
+        return dtensor_engine(parts[0], self.cfg, self.ctx.device)

@@ -1,0 +1,154 @@
+"""The task harness: one Slurm task (or torchrun worker, or plain process) of any workload.
+
+``run_task(run_dir, workload, flag)`` does what every workload needs and nothing that is
+about training: read the run's config, join the job's process group (rendezvous from
+SLURM_* or a torchrun environment, :mod:`train.harness.dist`), refuse to run a finished
+run again, mark the run ``running``, run the preflight, start the heartbeat and hang
+watchdog, call ``workload(task)``, then record the outcome in run.json: ``completed``,
+a counted interruption with its requeue, or ``failed`` with the failure's class
+(:mod:`train.harness.outcome`). The built-in trainer (:func:`train.main.trainer`) is one
+workload; a user's script or function will be another.
+
+Torch is imported inside :func:`run_task`, after the caller installed the preemption
+flag: a signal during the slow imports and rendezvous must set the flag, not kill.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+from spec.config import RunConfig, to_run_config
+from spec.validate import WATCHDOG_GRACE_S, validate
+from spec.layout import Layout, build_layout
+from spec.rundir import CONFIG, MetricsRow, Status, append_metrics, read_run_json, status_of, update_run_json
+from train.harness.outcome import record_failure, record_hang, record_outcome
+from train.harness.preempt import PreemptionFlag
+from train.harness.watchdog import Watchdog
+
+# Statuses after which a (re)started job does nothing: resubmission resets them.
+
+
+@dataclass
+class Task:
+    """What the harness hands a workload: this rank of the job, joined and watched."""
+
+    cfg: RunConfig
+    layout: Layout
+    run_dir: Path
+    ctx: Any  # train.harness.dist.DistContext (a torch type: not imported at module level)
+    segment: int  # how many times the run started before this one
+    log: Callable[[str], None]  # this rank's log (rank 0 also to stdout)
+    flag: PreemptionFlag  # set by USR2 / SIGTERM; the workload agrees on it at a step boundary
+    watchdog: Watchdog  # phase() / progress() from the workload's steps
+
+    def write_metrics(self, row: MetricsRow | Mapping[str, Any]) -> None:
+        """Append one metrics.jsonl row (the caller decides which rank writes)."""
+        append_metrics(self.run_dir, row)
+
+
+Workload = Callable[[Task], Status]  # COMPLETED, or INTERRUPTED (a checkpoint committed after a signal)
+
+
+def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logging.getLogger(f"train.rank{rank}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    if not log.handlers:
+        fmt = logging.Formatter("%(asctime)s rank%(rank)s %(message)s".replace("%(rank)s", str(rank)))
+        handler = logging.FileHandler(logs / f"rank{rank}.log")  # append: segments accumulate
+        handler.setFormatter(fmt)
+        log.addHandler(handler)
+        if rank == 0:
+            console = logging.StreamHandler(sys.stdout)
+            console.setFormatter(fmt)
+            log.addHandler(console)
+    return log
+
+
+def run_task(run_dir: str | Path, workload: Workload, flag: Optional[PreemptionFlag] = None) -> int:
+    """Join the job's process group, run ``workload``, record the outcome in run.json. Returns 0
+    (a workload's error is recorded, then raised)."""
+    if flag is None:  # the entry points install it before importing torch: see train.harness.job
+        flag = PreemptionFlag().install()  # replaces submitit's USR2 handler: one path
+    from train.harness.dist import shutdown
+
+    run_dir = Path(run_dir).resolve()
+    cfg, layout, ctx = _join(run_dir)
+    log = rank_logger(run_dir, ctx.rank)
+    info = _claim(cfg, layout, ctx, run_dir, log)
+    if info is None:
+        shutdown()
+        return 0
+    task = Task(cfg, layout, run_dir, ctx, int(info.get("segments", 0)), log.info, flag, _watchdog(cfg, ctx, run_dir))
+    try:
+        outcome = workload(task)
+    except BaseException as exc:
+        record_failure(exc, run_dir, ctx.rank, ctx.world_size, log)
+        raise
+    task.watchdog.stop()
+    if ctx.is_main:
+        record_outcome(outcome, cfg, run_dir, info, log, flag)
+    shutdown()
+    return 0
+
+
+def _join(run_dir: Path):
+    """Config, layout and this rank's place in the job's process group (collective)."""
+    import torch
+
+    from train.harness.dist import init_distributed
+
+    cfg = to_run_config(run_dir / CONFIG)
+    validate(cfg)
+    # One intra-op thread pool per task sized to its CPUs, as torchrun does: srun tasks
+    # otherwise each start one thread per core of the node and oversubscribe it.
+    threads = os.environ.get("OMP_NUM_THREADS") or os.environ.get("SLURM_CPUS_PER_TASK") or cfg.cluster.cpus_per_task
+    torch.set_num_threads(max(1, int(threads)))
+    layout = build_layout(cfg)
+    ctx = init_distributed(cfg.train.dist_timeout_s, trace_dir=run_dir / "logs")
+    if ctx.world_size != layout.world_size:
+        raise RuntimeError(f"the job has {ctx.world_size} ranks but the layout needs {layout.world_size} "
+                           f"({layout.describe()})")
+    return cfg, layout, ctx
+
+
+def _claim(cfg: RunConfig, layout: Layout, ctx, run_dir: Path, log: logging.Logger) -> Optional[dict]:
+    """Mark the run ``running`` (rank 0) and run the preflight; None when the run is
+    finished or capped and must not run again, even if Slurm restarts it (collective)."""
+    import torch.distributed as dist
+
+    from train.harness.dist import all_hostnames
+
+    hostnames = all_hostnames(ctx)
+    info = [read_run_json(run_dir) if ctx.is_main else None]
+    dist.broadcast_object_list(info, src=0)
+    status = status_of(info[0])
+    if status is not None and status.final:
+        log.info(f"run is {status}; nothing to do (resubmit with `python -m launcher.resume {run_dir}`)")
+        return None
+    if ctx.is_main:
+        update_run_json(run_dir, status=Status.RUNNING, job_id=ctx.job_id, hostnames=hostnames,
+                        world_size=ctx.world_size, nodes=len(hostnames), segments=int(info[0].get("segments", 0)) + 1,
+                        strategy=cfg.strategy.name, launcher=ctx.launcher, backend=ctx.backend,
+                        started_at=time.time(), restart_count=ctx.restart_count, error=None, failure=None)
+    if cfg.train.preflight:  # on outlier nodes with preflight_exclude: records them, raises PreflightError
+        from train.harness.preflight import run_preflight
+        run_preflight(ctx, run_dir, cfg.train.preflight_outlier, cfg.train.preflight_exclude, log.info)
+    return info[0]
+
+
+def _watchdog(cfg: RunConfig, ctx, run_dir: Path) -> Watchdog:
+    """Heartbeats, and the hang check when ``cluster.hang_timeout_s`` > 0."""
+    # Until the first step completes (build, restore, lazy init) a hang may take 3x as
+    # long, but never past the collective timeout, which would abort without a report.
+    hang = cfg.cluster.hang_timeout_s
+    startup = min(3 * hang, cfg.train.dist_timeout_s - WATCHDOG_GRACE_S)
+    return Watchdog(run_dir, ctx.rank, ctx.node_rank, ctx.hostname, ctx.world_size, hang,
+                    on_hang=lambda report: record_hang(run_dir, report), startup_timeout_s=startup).start()
