@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import List
 
+from slurm.env import TaskEnv
 from spec.config import RunConfig
 from spec.layout import Layout
 
@@ -35,9 +36,10 @@ def run_local(cfg: RunConfig, layout: Layout, run_dir: Path) -> int:
     for rank in range(layout.world_size):
         node, local = layout.placement(rank)
         env = dict(os.environ, **cfg.cluster.env)
-        env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(layout.world_size),
-                   LOCAL_WORLD_SIZE=str(layout.gpus_per_node), GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        env.update(TaskEnv(rank=rank, world_size=layout.world_size, local_rank=local,
+                           local_world_size=layout.gpus_per_node, node_rank=node, master_addr="127.0.0.1",
+                           master_port=port).torchrun_vars(),
+                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
         out = None if rank == 0 else open(logs / f"rank{rank}.out", "ab")
         procs.append(subprocess.Popen([sys.executable, "-m", "train", str(run_dir)], env=env, stdout=out,
                                       stderr=subprocess.STDOUT if out else None))

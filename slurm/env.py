@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 # A host list is comma-separated items; an item is a prefix, optionally followed by a
 # bracketed range list, optionally followed by more text: "gpu[01-03,07]", "a[1-2]b[3-4]".
@@ -158,3 +158,50 @@ def slurm_task_env(env: Mapping[str, str] | None = None) -> SlurmTaskEnv:
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
         raw_job_id=env.get("SLURM_JOB_ID", "0"),
     )
+
+
+@dataclass(frozen=True)
+class TaskEnv:
+    """Where one task stands in its job: the one shape of a task's environment.
+
+    Read (:func:`task_env`) from torchrun's variables, from an srun task's SLURM_* ones, or
+    from neither (one process); written back (:meth:`torchrun_vars`) as the variables
+    torchrun gives a worker, for the local launcher's ranks and for whatever a task runs.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    job_id: str = "local"
+    restart_count: int = 0
+    launcher: str = "torchrun"  # torchrun | srun | single
+
+    def torchrun_vars(self) -> Dict[str, str]:
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                "LOCAL_WORLD_SIZE": str(self.local_world_size), "GROUP_RANK": str(self.node_rank),
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+
+
+def task_env(env: Mapping[str, str] | None = None) -> TaskEnv:
+    """This task's :class:`TaskEnv`: torchrun's variables win (torchrun inside an
+    allocation), then srun's, else a world of one."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        return TaskEnv(rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", 0)),
+                       local_world_size=local_world, node_rank=int(env.get("GROUP_RANK", rank // local_world)),
+                       master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 29500)),
+                       job_id=env.get("SLURM_JOB_ID", env.get("TORCHELASTIC_RUN_ID", "local")),
+                       restart_count=int(env.get("SLURM_RESTART_COUNT", 0) or 0), launcher="torchrun")
+    if in_srun_task(env):
+        t = slurm_task_env(env)
+        return TaskEnv(rank=t.rank, world_size=t.world_size, local_rank=t.local_rank,
+                       local_world_size=t.local_world_size, node_rank=t.node_rank, master_addr=t.master_addr,
+                       master_port=t.master_port, job_id=t.job_id, restart_count=t.restart_count, launcher="srun")
+    return TaskEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, master_addr="127.0.0.1",
+                   master_port=0, job_id="single", launcher="single")

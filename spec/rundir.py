@@ -14,6 +14,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping as MappingABC
 from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
@@ -61,8 +62,8 @@ def status_of(info: Dict[str, Any]) -> Optional[Status]:
         return None
 
 
-@dataclass
-class MetricsRow:
+@dataclass(eq=True)
+class MetricsRow(MappingABC):
     """One line of ``metrics.jsonl``: one optimizer step of the run (rank 0 writes it).
 
     The built-in trainer fills every field; a user's workload may leave any but ``step``
@@ -91,6 +92,7 @@ class MetricsRow:
     extra: Dict[str, Any] = field(default_factory=dict)
 
     _ALWAYS = ("mfu",)  # written even when None (readers tell "no peak" from "not measured")
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dict it stands for
 
     @classmethod
     def names(cls) -> List[str]:
@@ -107,22 +109,15 @@ class MetricsRow:
         return cls(**{k: v for k, v in data.items() if k in known},
                    extra={k: v for k, v in data.items() if k not in known})
 
+    # Read access as the JSON record it is (collections.abc.Mapping over as_dict()).
     def __getitem__(self, key: str) -> Any:
-        if key in self.extra:
-            return self.extra[key]
-        if key in self.names():
-            return getattr(self, key)
-        raise KeyError(key)
+        return self.as_dict()[key]
 
-    def get(self, key: str, default: Any = None) -> Any:
-        try:
-            value = self[key]
-        except KeyError:
-            return default
-        return default if value is None else value
-
-    def keys(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[str]:
         return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
 
 
 def steady(rows: Sequence[Any]) -> List[Any]:

@@ -22,6 +22,8 @@ def test_a_trainer_row_is_written_as_it_always_was(tmp_path):
     line = (tmp_path / METRICS).read_text().strip()
     assert json.loads(line) == ROW and list(json.loads(line)) == list(ROW)  # same keys, same order
     assert '"mfu": null' in line  # no peak FLOP/s: null, not absent
+    row = read_metrics(tmp_path)[0]  # read back, it is the record (a Mapping) it was written as
+    assert dict(row) == ROW and set(row) == set(ROW) and "mfu" in row and row["loss"] == 5.5 and len(row) == len(ROW)
 
 
 def test_unknown_fields_are_kept_and_unset_ones_are_not_written(tmp_path):

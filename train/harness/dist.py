@@ -19,7 +19,7 @@ from typing import Dict, MutableMapping, Optional
 import torch
 import torch.distributed as dist
 
-from slurm.env import in_srun_task, slurm_task_env
+from slurm.env import task_env
 
 
 @dataclass(frozen=True)
@@ -39,25 +39,6 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def _from_environment() -> dict:
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        return dict(rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", 0)),
-                    local_world_size=local_world, node_rank=int(env.get("GROUP_RANK", int(env["RANK"]) // local_world)),
-                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 29500)),
-                    job_id=env.get("SLURM_JOB_ID", env.get("TORCHELASTIC_RUN_ID", "local")),
-                    restart_count=int(env.get("SLURM_RESTART_COUNT", 0) or 0), launcher="torchrun")
-    if in_srun_task(env):
-        t = slurm_task_env(env)
-        return dict(rank=t.rank, world_size=t.world_size, local_rank=t.local_rank,
-                    local_world_size=t.local_world_size, node_rank=t.node_rank, master_addr=t.master_addr,
-                    master_port=t.master_port, job_id=t.job_id, restart_count=t.restart_count, launcher="srun")
-    return dict(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, master_addr="127.0.0.1",
-                master_port=0, job_id="single", restart_count=0, launcher="single")
 
 
 def nccl_env_defaults(trace_dir: Optional[Path], env: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
@@ -94,31 +75,29 @@ def init_distributed(timeout_s: int = 600, trace_dir: Optional[Path] = None) -> 
     On NCCL, communication defaults are set first (:func:`nccl_env_defaults`); the
     flight recorder dumps into ``trace_dir`` (the run's logs/) on a collective timeout.
     """
-    info = _from_environment()
+    info = task_env()
     if torch.cuda.is_available():
         backend = "nccl"
         nccl_env_defaults(trace_dir)
-        torch.cuda.set_device(info["local_rank"] % torch.cuda.device_count())
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         backend = "gloo"
         device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
-    if info["world_size"] == 1 and info["launcher"] == "single":
+    if info.world_size == 1 and info.launcher == "single":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         # env:// reads these; under torchrun it also reuses the agent's store
         # (TORCHELASTIC_USE_AGENT_STORE) instead of opening a second server on its port.
-        os.environ.update(MASTER_ADDR=info["master_addr"], MASTER_PORT=str(info["master_port"]),
-                          RANK=str(info["rank"]), WORLD_SIZE=str(info["world_size"]),
-                          LOCAL_RANK=str(info["local_rank"]), LOCAL_WORLD_SIZE=str(info["local_world_size"]))
+        os.environ.update(info.torchrun_vars())
         dist.init_process_group(backend, init_method="env://",
-                                rank=info["rank"], world_size=info["world_size"], timeout=timeout,
+                                rank=info.rank, world_size=info.world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
-    return DistContext(rank=info["rank"], world_size=info["world_size"], local_rank=info["local_rank"],
-                       local_world_size=info["local_world_size"], node_rank=info["node_rank"],
-                       hostname=socket.gethostname(), backend=backend, device=device, job_id=str(info["job_id"]),
-                       restart_count=info["restart_count"], launcher=info["launcher"])
+    return DistContext(rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
+                       local_world_size=info.local_world_size, node_rank=info.node_rank,
+                       hostname=socket.gethostname(), backend=backend, device=device, job_id=str(info.job_id),
+                       restart_count=info.restart_count, launcher=info.launcher)
 
 
 def all_hostnames(ctx: DistContext) -> list[str]:
