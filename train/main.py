@@ -29,6 +29,11 @@ def trainer(task: Task) -> Status:
 
 def run(run_dir: str | Path, flag: PreemptionFlag | None = None) -> int:
     """One task of a built-in training job; records the outcome in run.json. Returns 0."""
+    if flag is None:
+        flag = PreemptionFlag().install()  # before torch: see train.harness.job
+    # The trainer's imports (torch, its distributed packages: seconds) before the harness
+    # joins the job and its watchdog's start-up clock runs.
+    import train.loop  # noqa: F401
     return run_task(run_dir, trainer, flag)
 
 
