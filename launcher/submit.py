@@ -123,6 +123,7 @@ def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
         "time": c.time_min,
         "signal_delay_s": c.signal_delay_s,
         "setup": setup,
+        "teardown": submitit_adapter.requeue_if_signalled(c.max_requeues),
         "additional_parameters": {"requeue": True},
     }
     if c.accelerator == "gpu":

@@ -33,6 +33,35 @@ class TaskCall:
         module, name = self.target.split(":")
         return getattr(importlib.import_module(module), name)(*self.args)
 
+    def checkpoint(self, *args: Any, **kwargs: Any):
+        """submitit calls this when the warning signal (USR2) arrives after its own handler
+        is installed and before the task's is (the target installs its own first thing):
+        requeue the same call; the workload resumes from its own last checkpoint. Without
+        it, submitit ends a job whose signal it takes for a time-out ("not checkpointable")."""
+        from submitit.core.utils import DelayedSubmission
+
+        return DelayedSubmission(self)
+
+
+# Lines after srun in the batch script: a step whose tasks died of the warning signal
+# (srun exits 128 + 12 = 140) before any handler existed, as Python started, is requeued
+# while requeues are left, rather than ending FAILED (Slurm may send --signal's warning up
+# to 60 s early, so it can come during start-up).
+_REQUEUE_IF_SIGNALLED = """\
+code=$?
+job_id=${{SLURM_ARRAY_JOB_ID:+${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}}}
+job_id=${{job_id:-$SLURM_JOB_ID}}
+if [ "$code" -eq 140 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_requeues} ]; then
+  echo "a step died of the warning signal (USR2) before its handler: requeueing job $job_id" >&2
+  scontrol requeue "$job_id" && exit 0
+fi
+exit $code"""
+
+
+def requeue_if_signalled(max_requeues: int) -> list[str]:
+    """The batch script's teardown lines (submitit's ``teardown`` parameter)."""
+    return _REQUEUE_IF_SIGNALLED.format(max_requeues=int(max_requeues)).splitlines()
+
 
 def submitit_command(folder: str | Path, python: Optional[str] = None) -> str:
     """The command submitit's SlurmExecutor puts after ``srun``."""

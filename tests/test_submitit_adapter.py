@@ -56,3 +56,22 @@ def test_memory_is_given_in_gb_as_submitit_expects(tmp_path):
     cfg = compose_run(["+cluster=a100x8", "cluster.mem_gb=64"])
     script = submitit_adapter.render(slurm_parameters(cfg, build_layout(cfg)), tmp_path / "slurm")
     assert "#SBATCH --mem=64GB" in script
+
+
+def test_a_task_call_is_checkpointable_as_itself():
+    """submitit requeues a signalled job whose callable has ``checkpoint`` (else, for a job
+    of 10 minutes or less, it ends it: 'timed-out and not checkpointable')."""
+    from submitit.core.utils import DelayedSubmission
+
+    call = TaskCall(TASK, ("/runs/x",))
+    again = call.checkpoint()
+    assert isinstance(again, DelayedSubmission) and again.function == call
+
+
+def test_batch_script_requeues_a_step_killed_by_the_warning_signal(tmp_path):
+    cfg = compose_run(["+cluster=a100x8", "cluster.max_requeues=7"])
+    script = submitit_adapter.render(slurm_parameters(cfg, build_layout(cfg)), tmp_path / "slurm")
+    tail = script[script.index("# teardown"):]
+    assert script.index("-m submitit.core._submit") < script.index("# teardown")
+    assert '[ "$code" -eq 140 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt 7 ]' in tail
+    assert 'scontrol requeue "$job_id"' in tail and tail.rstrip().endswith("exit $code")
