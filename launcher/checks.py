@@ -25,8 +25,9 @@ from spec.validate import validate
 SIGNAL_SLACK_S = 60
 
 
-def check(cfg: RunConfig) -> Tuple[Layout, Optional[str]]:
-    """Every check that needs no submission; returns the layout and the slurm.conf to use."""
+def check(cfg: RunConfig, probe: Optional[submit.SlurmProbe] = None) -> Tuple[Layout, Optional[str]]:
+    """Every check that needs no submission; returns the layout and the slurm.conf to use.
+    ``probe``: what Slurm already said during this launch (a sweep asks once)."""
     validate(cfg)
     layout = build_layout(cfg)
     check_supported(cfg, layout)
@@ -34,7 +35,7 @@ def check(cfg: RunConfig) -> Tuple[Layout, Optional[str]]:
     slurm_conf = None
     if cfg.cluster.backend == "slurm" and not cfg.launcher.dry_run:
         slurm_conf = submit.resolve_slurm_conf(cfg)
-        submit.check_slurm(cfg, slurm_conf)
+        submit.check_slurm(cfg, slurm_conf, probe if probe is not None else submit.SlurmProbe())
     warning = signal_warning(cfg)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)

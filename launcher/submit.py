@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -50,56 +51,58 @@ def resolve_slurm_conf(cfg: RunConfig) -> Optional[str]:
     return conf
 
 
-# What Slurm said per (slurm.conf, partition) in this process: the controller and the
-# partitions do not change while one sweep is checked, and asking once per point cost a
-# `scontrol ping` + `sinfo` round trip each (~0.1 s per point). Failures are cached too,
-# so a dead controller costs one timeout, not one per point.
-_PING: Dict[Optional[str], Optional[str]] = {}
-_PARTITION_NODES: Dict[Tuple[Optional[str], str], Union[int, str]] = {}
+@dataclass
+class SlurmProbe:
+    """What Slurm said per (slurm.conf, partition) during one launch: the controller and the
+    partitions do not change while one sweep is checked, and asking once per point cost a
+    `scontrol ping` + `sinfo` round trip each (~0.1 s per point). Failures are kept too, so
+    a dead controller costs one timeout, not one per point. A launch's session holds one."""
+
+    ping: Dict[Optional[str], Optional[str]] = field(default_factory=dict)  # conf -> error or None
+    partition_nodes: Dict[Tuple[Optional[str], str], Union[int, str]] = field(default_factory=dict)
+
+    def ask(self, slurm_conf: Optional[str], partition: Optional[str]) -> None:
+        """`scontrol ping` and the partition's size, side by side (one round trip's wait)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        env = query.slurm_env(slurm_conf)
+
+        def ping() -> None:
+            try:
+                query.ping(env)
+                self.ping[slurm_conf] = None
+            except (query.SlurmUnavailable, OSError) as exc:
+                self.ping[slurm_conf] = str(exc).splitlines()[0][:160]
+
+        def size() -> None:
+            try:
+                self.partition_nodes[(slurm_conf, partition)] = query.partition_nodes(partition, env)
+            except (query.SlurmUnavailable, OSError) as exc:
+                self.partition_nodes[(slurm_conf, partition)] = str(exc)[:160]
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            asked = [pool.submit(ping)] if slurm_conf not in self.ping else []
+            if partition and (slurm_conf, partition) not in self.partition_nodes:
+                asked.append(pool.submit(size))
+            for future in asked:
+                future.result()  # re-raises what the workers do not turn into a message
 
 
-def _ask_slurm(slurm_conf: Optional[str], partition: Optional[str]) -> None:
-    """`scontrol ping` and the partition's size, side by side (one round trip's wait)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    env = query.slurm_env(slurm_conf)
-
-    def ping() -> None:
-        try:
-            query.ping(env)
-            _PING[slurm_conf] = None
-        except (query.SlurmUnavailable, OSError) as exc:
-            _PING[slurm_conf] = str(exc).splitlines()[0][:160]
-
-    def size() -> None:
-        try:
-            _PARTITION_NODES[(slurm_conf, partition)] = query.partition_nodes(partition, env)
-        except (query.SlurmUnavailable, OSError) as exc:
-            _PARTITION_NODES[(slurm_conf, partition)] = str(exc)[:160]
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        asked = [pool.submit(ping)] if slurm_conf not in _PING else []
-        if partition and (slurm_conf, partition) not in _PARTITION_NODES:
-            asked.append(pool.submit(size))
-        for future in asked:
-            future.result()  # re-raises what the workers do not turn into a message
-
-
-def check_slurm(cfg: RunConfig, slurm_conf: Optional[str]) -> None:
+def check_slurm(cfg: RunConfig, slurm_conf: Optional[str], probe: SlurmProbe) -> None:
     if shutil.which("sbatch") is None:
         raise ConfigError(f"cluster={cfg.cluster.name} needs Slurm but `sbatch` is not on PATH; run on a login "
                           "node, install Slurm's client (`make setup`), or use +cluster=local")
     partition = cfg.cluster.partition
-    if slurm_conf not in _PING or (partition and (slurm_conf, partition) not in _PARTITION_NODES):
-        _ask_slurm(slurm_conf, partition)
-    if _PING[slurm_conf] is not None:
+    if slurm_conf not in probe.ping or (partition and (slurm_conf, partition) not in probe.partition_nodes):
+        probe.ask(slurm_conf, partition)
+    if probe.ping[slurm_conf] is not None:
         where = slurm_conf or "the default slurm.conf"
         hint = "start it with `make cluster-up`" if cfg.cluster.slurm_conf == "auto" else \
             "set cluster.slurm_conf=PATH or SLURM_CONF, or use +cluster=local"
         raise ConfigError(f"cluster={cfg.cluster.name}: no Slurm controller answers ({where}): "
-                          f"{_PING[slurm_conf]}; {hint}")
+                          f"{probe.ping[slurm_conf]}; {hint}")
     if partition:  # a job larger than its partition would pend forever
-        total = _PARTITION_NODES[(slurm_conf, partition)]
+        total = probe.partition_nodes[(slurm_conf, partition)]
         if isinstance(total, str):
             raise ConfigError(f"cluster.partition={partition}: {total}; pick an existing partition (sinfo -s)")
         if cfg.cluster.nodes > total:
