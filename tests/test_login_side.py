@@ -10,7 +10,20 @@ import pytest
 
 from conftest import REPO
 
-BLOCK = "import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None\n"
+# A finder that refuses torch and deepspeed and reports every attempt at exit, so an
+# import that the code catches (try/except ImportError) still fails the test.
+BLOCK = """
+import atexit, sys
+class _Refuse:
+    tried = []
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "deepspeed"):
+            self.tried.append(name)
+            raise ImportError(f"import of {name} halted: the login side must not import it")
+        return None
+sys.meta_path.insert(0, _Refuse())
+atexit.register(lambda: _Refuse.tried and print("TRIED:", sorted(set(_Refuse.tried)), file=sys.stderr))
+"""
 
 
 def _run(code: str, tmp_path) -> subprocess.CompletedProcess:
@@ -22,6 +35,8 @@ def test_the_block_bites(tmp_path):
     """The prelude really blocks torch (else the tests below would prove nothing)."""
     proc = _run("import torch", tmp_path)
     assert proc.returncode != 0 and "import of torch halted" in proc.stderr
+    caught = _run("try:\n    import deepspeed\nexcept ImportError:\n    pass", tmp_path)
+    assert caught.returncode == 0 and "TRIED: ['deepspeed']" in caught.stderr
 
 
 def test_every_login_side_module_imports_without_torch(tmp_path):
@@ -38,7 +53,7 @@ print(len(names), "modules")
 assert "launcher.plan.cli" in names and "launcher.track.report" in names and "spec.support" in names
 """
     proc = _run(code, tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0 and "TRIED:" not in proc.stderr, proc.stderr
     assert int(proc.stdout.split()[0]) > 30
 
 
@@ -51,7 +66,7 @@ def test_dry_runs_and_plans_run_without_torch(tmp_path, argv):
     module, args = argv[0], argv[1:]
     code = f"import runpy; sys.argv = {[module, *args]!r}; runpy.run_module({module!r}, run_name='__main__')"
     proc = _run(code, tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "TRIED:" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
     if module == "launcher":
         assert proc.stdout.count("dry run: nothing submitted") == (4 if "-m" in args else 1), proc.stdout[-2000:]
     else:
