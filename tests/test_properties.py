@@ -146,7 +146,8 @@ def _run_script(script: str, tail: str = "") -> typing.Dict[str, typing.List[str
     words bash saw: {"srun": [...], "#SBATCH --flag": [...], "tail": [...]}. Fails if anything
     ran that should not have (a file appeared in the working directory)."""
     mark = f"printf '%s\\0' {_MARK}"
-    lines = [f"srun() {{ {mark}srun \"$@\"; }}", script]
+    # `exit` shadowed too: the script's teardown ends with it, and the checks below must run.
+    lines = [f"srun() {{ {mark}srun \"$@\"; }}", "exit() { :; }", script]
     lines += [f"{mark}{line[len('#SBATCH '):].split('=')[0]} {line[len('#SBATCH '):]}"
               for line in script.splitlines() if line.startswith("#SBATCH ")]
     lines.append(f"{mark}tail {tail}")
