@@ -15,6 +15,7 @@ import functools
 import io
 import os
 import struct
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -23,6 +24,50 @@ import torch
 from torch.futures import Future
 
 from train.checkpoint.manifest import CorruptCheckpoint, Sums, crc32, file_crc32
+
+
+def _available_memory() -> int:
+    """MemAvailable of /proc/meminfo in bytes (0 where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return 0
+
+
+def readahead(paths: List[Path]) -> Optional[threading.Thread]:
+    """Read ``paths`` front to back into the page cache, in a thread of its own, when they
+    fit in half the available memory (else the load's own pass reads them once).
+
+    The checkpointer starts it for this rank's files before DCP plans the load
+    (collectives, 0.03-0.15 s here), so the disk streams meanwhile and the load's pass
+    then mostly copies from the page cache. Plain reads, not POSIX_FADV_WILLNEED: on this
+    VM a WILLNEED'd file read back slower than a plain cold read (0.36-0.62 s against
+    0.27-0.29 s for 671 MB) and a 2-rank DDP restore of 1270 MB took 0.76-0.92 s with it
+    against 0.56-0.73 s with this thread (tmp profile, same runs side by side)."""
+    try:
+        total = sum(p.stat().st_size for p in paths)
+    except OSError:  # missing: the load reports it
+        return None
+    if not paths or total > _available_memory() // 2:
+        return None
+
+    def run() -> None:
+        buf = bytearray(8 << 20)
+        for path in paths:
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    while f.readinto(buf):
+                        pass
+            except OSError:
+                return
+
+    thread = threading.Thread(target=run, name="ckpt-readahead", daemon=True)
+    thread.start()
+    return thread
 
 
 class _Window(io.RawIOBase):
@@ -164,10 +209,6 @@ class _OnePass:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         # its own files first: the other ranks meanwhile bring theirs into the page cache
         order = sorted(per_file, key=lambda rel: (rel not in self.owned, rel))
-        for rel in [r for r in order if r in self.owned]:  # the kernel reads ahead the whole file
-            fd = os.open(Path(self.path) / rel, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            os.close(fd)
         for rel in order:
             self._read_file(rel, per_file[rel], planner)
         for rel, (_, crc) in self.owned.items():

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from train.checkpoint import deepspeed_io, fault
 from train.checkpoint.async_save import AsyncSaver
-from train.checkpoint.dcp_reader import verifying_reader
+from train.checkpoint.dcp_reader import readahead, verifying_reader
 from train.checkpoint.dcp_writer import summing_writer
 from train.checkpoint.manifest import (
     DCP_FILE, SUMS, CorruptCheckpoint, Sums, checksums, committed_steps, manifest_files, publish, share,
@@ -237,6 +237,7 @@ class Checkpointer:
         files = manifest_files(ckpt)
         mine = share([ckpt / rel for rel in files], self.rank, dist.get_world_size())
         owned = {p.name: files[str(p.relative_to(ckpt))] for p in mine if _read_by_dcp(str(p.relative_to(ckpt)))}
+        readahead([ckpt / "dcp" / name for name in owned])  # the disk works while DCP plans the load
         try:
             dcp.load({"app": AppState(engine)}, storage_reader=verifying_reader()(ckpt / "dcp", owned))
         except CheckpointException as exc:
