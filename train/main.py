@@ -27,6 +27,30 @@ def trainer(task: Task) -> Status:
     return train(task, ckpt)
 
 
+def warm_imports(run_dir: str) -> None:
+    """What every rank of the built-in trainer imports anyway: run once by rank 0 before it
+    forks the other local ranks (:mod:`train.harness.forked`)."""
+    from spec.config import to_run_config
+    from spec.rundir import CONFIG
+
+    cfg = to_run_config(Path(run_dir) / CONFIG)
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (the optimizer's constructor imports it)
+    import torch.distributed.checkpoint  # noqa: F401  (saves and resumes)
+
+    import train.loop  # noqa: F401
+    from spec.layout import build_layout
+    from train.strategies import get_builder
+
+    layout = build_layout(cfg)
+    if layout.pp > 1:
+        import train.strategies.pp  # noqa: F401
+    else:
+        get_builder(cfg)
+    if layout.tp_enabled:
+        import train.strategies.tp  # noqa: F401
+
+
 def run(run_dir: str | Path, flag: PreemptionFlag | None = None) -> int:
     """One task of a built-in training job; records the outcome in run.json. Returns 0."""
     if flag is None:

@@ -1,0 +1,162 @@
+"""Local ranks forked from rank 0 after the imports, not each started from scratch.
+
+``python -m launcher`` on this machine (no Slurm) starts rank 0 as ``python -m train
+RUN_DIR`` with the other ranks' environments in ``STO_LOCAL_FORK`` (JSON). Rank 0
+imports torch and the modules its strategy needs once, then forks ranks 1..N-1: each
+child takes its torchrun variables, sends its output to ``logs/rank{R}.out`` and runs
+the same entry point, without paying the imports again (the workload says which:
+:func:`train.main.warm_imports`; torch, DTensor, DCP, DeepSpeed: 2.5-4 s of CPU a
+rank here, so a 4-rank run saves 8-12 s of CPU). Nothing
+runs a torch operation, starts a thread or touches a device before the fork, so the
+children start as clean as spawned processes (CUDA is initialised only after it).
+
+Supervision stays what the launcher did for separate processes: when a rank fails the
+others get SIGTERM, and after :data:`GRACE_S` the stragglers SIGKILL; rank 0 exits with
+the first failure's status. A child dies with rank 0 (``PR_SET_PDEATHSIG``: SIGKILL, as
+no collective, a checkpoint's included, can finish without rank 0). A child keeps the
+signal handlers it inherits (the workload's own, e.g. the preemption flag installed
+before the imports), so a signal between the fork and its first step is not lost. Signals sent to rank 0 (USR2, TERM) are
+passed on to the children, as a signal to the launcher's ranks reached them all.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+ENV = "STO_LOCAL_FORK"
+GRACE_S = 10.0  # as the launcher waited for a rank after SIGTERM before SIGKILL
+PR_SET_PDEATHSIG = 1
+
+
+class Supervisor:
+    """Rank 0's view of the children it forked (pid -> rank)."""
+
+    def __init__(self, children: Dict[int, int]) -> None:
+        self.children = dict(children)
+        self.failure: Optional[int] = None  # first failing child's exit status
+        self.lock = threading.Lock()
+        for sig in (signal.SIGUSR2, signal.SIGTERM):  # passed on, then rank 0's own handler
+            previous = signal.getsignal(sig)
+            signal.signal(sig, self._forwarder(previous))
+        threading.Thread(target=self._watch, name="local-ranks", daemon=True).start()
+
+    def _forwarder(self, previous) -> Callable:
+        def forward(signum, frame) -> None:
+            self.signal_children(signum)
+            if callable(previous):
+                previous(signum, frame)
+        return forward
+
+    def signal_children(self, signum: int) -> None:
+        for pid in list(self.children):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _reap(self, block: bool) -> None:
+        with self.lock:  # the watcher thread and finish() both reap
+            self._reap_locked(block)
+
+    def _reap_locked(self, block: bool) -> None:
+        for pid in list(self.children):
+            try:
+                done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if done:
+                rank = self.children.pop(pid)
+                code = os.waitstatus_to_exitcode(status)
+                if code and self.failure is None:
+                    self.failure = code if code > 0 else 128 - code
+                    print(f"rank {rank} exited with status {code}: stopping the other ranks",
+                          file=sys.stderr, flush=True)
+                    self.signal_children(signal.SIGTERM)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    threading.Thread(target=self._deadline, daemon=True).start()
+
+    def _watch(self) -> None:
+        while self.children:
+            self._reap(block=False)
+            time.sleep(0.1)
+
+    def _deadline(self) -> None:
+        """A rank failed and the rest were asked to stop: bound how long they may take."""
+        time.sleep(GRACE_S)
+        self.signal_children(signal.SIGKILL)
+        os._exit(self.failure or 1)
+
+    def finish(self, code: int) -> int:
+        """Rank 0 is done (``code``): stop and reap the children; the first failure's status."""
+        if self.children and code:
+            self.signal_children(signal.SIGTERM)
+        deadline = time.time() + (GRACE_S if code else 24 * 3600.0)
+        while self.children and time.time() < deadline:
+            self._reap(block=False)
+            time.sleep(0.05)
+        self.signal_children(signal.SIGKILL)
+        while self.children:
+            self._reap(block=True)
+        return code or self.failure or 0
+
+
+def _child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int]) -> None:
+    """In a forked child: become that rank, run ``entry``, exit (never returns)."""
+    code = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # no rank 0: no collective can finish
+        if os.getppid() == 1:  # rank 0 died between the fork and the prctl
+            os._exit(1)
+        os.environ.update(rank_env)
+        os.environ.pop(ENV, None)
+        logs = Path(run_dir) / "logs"
+        out = os.open(logs / f"rank{rank_env['RANK']}.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        code = entry()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001  (reported like an uncaught exception, then the status)
+        traceback.print_exc()
+    finally:
+        import atexit
+        import logging
+
+        try:
+            atexit._run_exitfuncs()  # what the interpreter runs at exit (this child's own)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def fork_ranks(run_dir: str, entry: Callable[[], int], warm: Callable[[str], None]) -> Optional[Supervisor]:
+    """In rank 0 started with ``STO_LOCAL_FORK``: ``warm(run_dir)`` (the workload's imports),
+    then fork the other ranks (each runs ``entry``) and return their supervisor; None
+    without the variable."""
+    spec = os.environ.pop(ENV, None)
+    if not spec:
+        return None
+    ranks: List[Dict[str, str]] = json.loads(spec)
+    warm(run_dir)
+    (Path(run_dir) / "logs").mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children: Dict[int, int] = {}
+    for rank_env in ranks:
+        pid = os.fork()
+        if pid == 0:
+            _child(rank_env, run_dir, entry)
+        children[pid] = int(rank_env["RANK"])
+    return Supervisor(children)
