@@ -40,3 +40,51 @@ def slurm_cluster() -> dict:
             pytest.fail(f"could not start the local Slurm cluster:\n{up.stdout}\n{up.stderr}")
     conf = CLUSTER_DIR / "etc" / "slurm.conf"
     return dict(os.environ, SLURM_CONF=str(conf))
+
+
+# --- `--shard K/N`: one of N parts of the selected tests, for tests/run_suite.sh ----------
+
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run only part K (1-based) of N of the selected tests: whole files (their module "
+                          "fixtures are built once), balanced on the seconds in tests/durations.json")
+
+
+def shard_files(weights: dict, n: int) -> List[List[str]]:
+    """The files in ``weights`` (file -> seconds) dealt into ``n`` parts: the heaviest first,
+    each to the lightest part so far (ties: the lowest part; equal weights: by name), so
+    every machine deals them the same way and each file lands in exactly one part."""
+    parts: List[List[str]] = [[] for _ in range(n)]
+    loads = [0.0] * n
+    for name in sorted(weights, key=lambda f: (-weights[f], f)):
+        k = loads.index(min(loads))
+        parts[k].append(name)
+        loads[k] += weights[name]
+    return parts
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected: the weights are of what runs
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if not spec:
+        return
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+        if not 1 <= k <= n:
+            raise ValueError(spec)
+    except ValueError:
+        raise pytest.UsageError(f"--shard={spec}: expected K/N with 1 <= K <= N, e.g. --shard=1/2") from None
+    import json
+
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    files: dict = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    # seconds per test of each file; a test not listed: 10 s (a guess until the list is refreshed)
+    weights = {f: sum(float(known.get(i.nodeid, 10.0)) for i in its) for f, its in files.items()}
+    mine = set(shard_files(weights, n)[k - 1])
+    config.hook.pytest_deselected(items=[i for i in items if i.nodeid.split("::", 1)[0] not in mine])
+    items[:] = [i for i in items if i.nodeid.split("::", 1)[0] in mine]

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "slurm" / "cluster"
 NODES = ["node1", "node2", "node3", "node4"]
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slurm_whole]  # all 4 nodes idle, preempts node4
 
 
 def _run(cmd: List[str], env: Optional[Dict[str, str]] = None, timeout: float = 60) -> str:

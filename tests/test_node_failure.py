@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, launcher, run_dir_of
 from spec.rundir import read_metrics, read_run_json
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slurm_whole, pytest.mark.slow]  # resumes on the nodes left
 NODE_SH = str(REPO / "slurm" / "cluster" / "node.sh")
 
 

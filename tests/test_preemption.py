@@ -85,6 +85,7 @@ def test_usr2_checkpoints_requeues_and_resumes_exactly(tmp_path, slurm_cluster, 
     assert "preemption: checkpoint committed; requeue of job" in log and "resumed from step" in log
 
 
+@pytest.mark.slurm_whole  # the high job takes all 4 nodes: it would preempt the other runs' jobs too
 def test_partition_preemption_requeues_and_resumes(tmp_path, slurm_cluster, reference):
     job, run_dir = submit(tmp_path, slurm_cluster, ["fault.step_delay_s=0.4"])
     wait_until(lambda: steps_logged(run_dir) >= 4, 120, "4 steps")

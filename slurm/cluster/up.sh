@@ -59,10 +59,12 @@ render() {  # render TEMPLATE DEST: fill in the @VAR@ placeholders
 render slurm.conf.in "$SLURM_CONF"
 {
   echo "# Compute nodes: one slurmd each on 127.0.0.1, distinct ports (slurmd -N nodeK)."
+  echo "# Features pair1 (node1-2), pair2 (node3-4): two test runs share the cluster side by"
+  echo "# side, each confined to its pair by SBATCH_CONSTRAINT (tests/run_suite.sh)."
   for i in "${!LS_NODES[@]}"; do
     n=${LS_NODES[$i]}
     echo "NodeName=$n NodeHostname=$n NodeAddr=127.0.0.1 Port=$((LS_SLURMD_PORT0 + i))" \
-         "CPUs=$LS_NODE_CPUS RealMemory=$LS_NODE_MEM State=UNKNOWN"
+         "CPUs=$LS_NODE_CPUS RealMemory=$LS_NODE_MEM Features=pair$((i / 2 + 1)) State=UNKNOWN"
   done
   all="node[1-${#LS_NODES[@]}]"
   echo "# Same nodes, two tiers: jobs in high preempt (requeue) jobs in debug."
