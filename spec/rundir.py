@@ -10,6 +10,7 @@ status the project writes; :class:`MetricsRow` is the one writer and reader of
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import time
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping as MappingABC
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 RUN_JSON = "run.json"
 METRICS = "metrics.jsonl"
@@ -136,15 +137,25 @@ def read_run_json(run_dir: str | Path) -> Dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def update_run_json(run_dir: str | Path, /, **fields: Any) -> Dict[str, Any]:
-    """Merge ``fields`` into run.json atomically and return the new content."""
+def update_run_json(run_dir: str | Path, /, unless: Optional[Callable[[Dict[str, Any]], bool]] = None,
+                    **fields: Any) -> Dict[str, Any]:
+    """Merge ``fields`` into run.json atomically and return the new content; nothing is
+    written when ``unless(current content)`` holds. Writers are serialised by an
+    exclusive ``flock`` on ``.run.json.lock``: ranks, the launcher and the watchdog
+    update it from several processes, and a read-modify-write without the lock lost a
+    field another process wrote in between (a hang's ``failure`` overwritten by a
+    rank's own error a moment later)."""
     path = Path(run_dir) / RUN_JSON
-    data = read_run_json(run_dir)
-    data.update(fields)
-    data["updated_at"] = time.time()
-    tmp = path.with_name(f".{RUN_JSON}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    with open(path.with_name(f".{RUN_JSON}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        data = read_run_json(run_dir)
+        if unless is not None and unless(data):
+            return data
+        data.update(fields)
+        data["updated_at"] = time.time()
+        tmp = path.with_name(f".{RUN_JSON}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
     return data
 
 

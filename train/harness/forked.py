@@ -108,13 +108,13 @@ class Supervisor:
         return code or self.failure or 0
 
 
-def _child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int]) -> None:
+def _child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int], parent: int) -> None:
     """In a forked child: become that rank, run ``entry``, exit (never returns)."""
     code = 1
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # no rank 0: no collective can finish
-        if os.getppid() == 1:  # rank 0 died between the fork and the prctl
+        if os.getppid() != parent:  # rank 0 died between the fork and the prctl
             os._exit(1)
         os.environ.update(rank_env)
         os.environ.pop(ENV, None)
@@ -133,7 +133,8 @@ def _child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int]) -> 
         import logging
 
         try:
-            atexit._run_exitfuncs()  # what the interpreter runs at exit (this child's own)
+            atexit._run_exitfuncs()  # what the interpreter runs at exit (handlers of the imports
+            # before the fork too, as a spawned rank registers them from its own imports)
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
@@ -154,9 +155,10 @@ def fork_ranks(run_dir: str, entry: Callable[[], int], warm: Callable[[str], Non
     sys.stdout.flush()
     sys.stderr.flush()
     children: Dict[int, int] = {}
+    parent = os.getpid()
     for rank_env in ranks:
         pid = os.fork()
         if pid == 0:
-            _child(rank_env, run_dir, entry)
+            _child(rank_env, run_dir, entry, parent)
         children[pid] = int(rank_env["RANK"])
     return Supervisor(children)

@@ -36,7 +36,9 @@ def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int
         fields.update(classify_failure(run_dir, world_size))
         log.error("failure classified: %s", fields)
     if rank == 0 or "failure" in fields:  # rank 0 may be the one that died
-        update_run_json(run_dir, **fields)
+        # A hang already recorded is the cause: a rank's error after it (its peers exited
+        # with the watchdog's status) must not replace it.
+        update_run_json(run_dir, unless=lambda info: info.get("failure") == "hang", **fields)
     if fields.get("failure") == "node_failure" and preempt.in_slurm_job():
         # Slurm notices a dead node only after SlurmdTimeout; until then the job would
         # hold the surviving nodes. End it now: the run is resumable elsewhere.
