@@ -19,11 +19,9 @@ import time
 from pathlib import Path
 from typing import List
 
-from slurm.env import TaskEnv
+from slurm.env import LOCAL_FORK_ENV, TaskEnv
 from spec.config import RunConfig
 from spec.layout import Layout
-
-FORK_ENV = "STO_LOCAL_FORK"  # read by train.harness.forked (rank 0 forks the others)
 
 
 def free_port() -> int:
@@ -52,7 +50,7 @@ def run_local(cfg: RunConfig, layout: Layout, run_dir: Path) -> int:
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     fork = hasattr(os, "fork") and sys.platform == "linux" and len(ranks) > 1
     if fork:
-        env[FORK_ENV] = json.dumps(ranks[1:])
+        env[LOCAL_FORK_ENV] = json.dumps(ranks[1:])
     procs: List[subprocess.Popen] = []
     for rank, rank_vars in enumerate(ranks[:1] if fork else ranks):
         out = None if rank == 0 else open(logs / f"rank{rank}.out", "ab")

@@ -160,6 +160,11 @@ def slurm_task_env(env: Mapping[str, str] | None = None) -> SlurmTaskEnv:
     )
 
 
+# Set by the local launcher on rank 0: the other local ranks' torchrun variables (JSON),
+# which rank 0 forks after its imports (train/harness/forked.py).
+LOCAL_FORK_ENV = "STO_LOCAL_FORK"
+
+
 @dataclass(frozen=True)
 class TaskEnv:
     """Where one task stands in its job: the one shape of a task's environment.

@@ -31,7 +31,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-ENV = "STO_LOCAL_FORK"
+from slurm.env import LOCAL_FORK_ENV
+
 GRACE_S = 10.0  # as the launcher waited for a rank after SIGTERM before SIGKILL
 PR_SET_PDEATHSIG = 1
 
@@ -117,7 +118,7 @@ def _child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int], par
         if os.getppid() != parent:  # rank 0 died between the fork and the prctl
             os._exit(1)
         os.environ.update(rank_env)
-        os.environ.pop(ENV, None)
+        os.environ.pop(LOCAL_FORK_ENV, None)
         logs = Path(run_dir) / "logs"
         out = os.open(logs / f"rank{rank_env['RANK']}.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(out, 1)
@@ -146,7 +147,7 @@ def fork_ranks(run_dir: str, entry: Callable[[], int], warm: Callable[[str], Non
     """In rank 0 started with ``STO_LOCAL_FORK``: ``warm(run_dir)`` (the workload's imports),
     then fork the other ranks (each runs ``entry``) and return their supervisor; None
     without the variable."""
-    spec = os.environ.pop(ENV, None)
+    spec = os.environ.pop(LOCAL_FORK_ENV, None)
     if not spec:
         return None
     ranks: List[Dict[str, str]] = json.loads(spec)
