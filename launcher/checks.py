@@ -14,7 +14,7 @@ from launcher import submit
 from launcher.plan.cli import check_fits
 from slurm import query
 from slurm.states import is_job_id
-from spec.config import RunConfig
+from spec.config import ConfigError, RunConfig
 from spec.layout import Layout, build_layout
 from spec.rundir import Status, read_run_json, status_of
 from spec.support import check_supported
@@ -31,7 +31,10 @@ def check(cfg: RunConfig, probe: Optional[submit.SlurmProbe] = None) -> Tuple[La
     validate(cfg)
     layout = build_layout(cfg)
     check_supported(cfg, layout)
-    check_fits(cfg, layout)  # the planner: refuse what is predicted not to fit (launcher.allow_oom=true overrides)
+    if cfg.entrypoint:
+        check_user_layout(cfg, layout)
+    else:  # the planner knows the built-in model only
+        check_fits(cfg, layout)  # refuse what is predicted not to fit (launcher.allow_oom=true overrides)
     slurm_conf = None
     if cfg.cluster.backend == "slurm" and not cfg.launcher.dry_run:
         slurm_conf = submit.resolve_slurm_conf(cfg)
@@ -40,6 +43,17 @@ def check(cfg: RunConfig, probe: Optional[submit.SlurmProbe] = None) -> Tuple[La
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     return layout, slurm_conf
+
+
+def check_user_layout(cfg: RunConfig, layout: Layout) -> None:
+    """A user's code gets data parallelism from the strategy (the environment, and
+    Accelerate's settings for DeepSpeed / FSDP); tensor and pipeline degrees are the
+    built-in trainer's."""
+    for key, degree in (("tensor_parallel", layout.tp), ("pipeline_parallel", layout.pp)):
+        if degree > 1:
+            raise ConfigError(f"strategy.{key}={degree} (strategy={cfg.strategy.name}) with entrypoint="
+                              f"{cfg.entrypoint}: a user's entry point gets data parallel strategies only (ddp, "
+                              "fsdp, fsdp_grad_op, hsdp, zero1-3); pick one, or shard inside your code")
 
 
 def signal_warning(cfg: RunConfig) -> Optional[str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-from launcher import local, submit
+from launcher import entrypoint, local, submit
 from launcher.checks import already_done, check
 from launcher.compose import run_config
 from launcher.provenance import CodeState, code_state, write_provenance
@@ -92,6 +92,7 @@ class Point:
     label: str
     overrides: List[str]
     multirun: bool
+    entry: Optional[dict] = None  # a user's entry point (launcher.entrypoint); None: the built-in trainer
 
     def note(self, event: str, **fields) -> None:
         note(self.run_dir, self.multirun, self.overrides, event, **fields)
@@ -126,11 +127,12 @@ def checked(session: Session, config, run_dir: Path, label: str, overrides: List
     ``config``: Hydra's DictConfig, or the RunConfig already made from it."""
     try:
         cfg = config if isinstance(config, RunConfig) else run_config(config)
+        entry = entrypoint.resolve(cfg)
         layout, slurm_conf = check(cfg, session.probe)
     except ConfigError as exc:
         return refuse(session, str(exc), run_dir, label, overrides, record=not config.launcher.dry_run)
     session.accepted += 1
-    return Point(cfg, layout, run_dir, slurm_conf, label, overrides, session.multirun)
+    return Point(cfg, layout, run_dir, slurm_conf, label, overrides, session.multirun, entry)
 
 
 def prepare(session: Session, p: Point, queued: Optional[Dict[str, str]] = None) -> Optional[int]:
@@ -143,6 +145,7 @@ def prepare(session: Session, p: Point, queued: Optional[Dict[str, str]] = None)
         print("\n".join(summary_lines(p.run_dir)))
         return 0
     (p.run_dir / CONFIG).write_text(config_yaml(p.cfg, session.yaml_sections))
+    entrypoint.write(p.run_dir, p.entry, p.cfg)
     write_provenance(p.run_dir, session.code_state())
     return None
 
@@ -156,8 +159,22 @@ def dry_run(p: Point) -> int:
         print(f"local: {p.layout.world_size} x `{sys.executable} -m train {p.run_dir}` with RANK=0..."
               f"{p.layout.world_size - 1}")
     print(rank_map(p.layout))
+    if p.entry is not None:
+        print(task_view(p))
     print(f"dry run: nothing submitted\nrun_dir: {p.run_dir}")
     return 0
+
+
+def task_view(p: Point) -> str:
+    """What every task of a user's entry point runs and receives (the dry run shows it)."""
+    from spec.user_env import task_environment
+
+    what = (f"{p.entry['path']} as __main__, argv {[p.entry['path'], *p.cfg.entrypoint_args]}"
+            if p.entry["kind"] == "script" else f"{p.entry['module']}:{p.entry['function']}(cfg)")
+    lines = [f"every task runs {what}", "environment of rank 0 (others differ in RANK, LOCAL_RANK, GROUP_RANK):"]
+    env = task_environment(p.cfg, p.layout, p.run_dir, rank=0)
+    lines += [f"  {key}={value}" for key, value in sorted(env.items())]
+    return "\n".join(lines)
 
 
 def run_point(session: Session, dcfg, run_dir: Path, label: str, overrides: List[str]) -> int:
@@ -203,7 +220,7 @@ def start(session: Optional[Session], p: Point, wait: bool) -> int:
 def submitted(session: Optional[Session], p: Point, job_id: str) -> None:
     """Record a submitted job (run.json, this launch's session) and print its two lines."""
     update_run_json(p.run_dir, status=Status.SUBMITTED, job_id=job_id, requeues_since_submit=0,
-                    **_common(p.cfg, p.layout, p.run_dir))
+                    slurm_conf=p.slurm_conf, **_common(p.cfg, p.layout, p.run_dir))
     if session is not None:
         session.submitted.append((job_id, p.run_dir, p.slurm_conf))
         session.wait = session.wait or p.cfg.launcher.wait

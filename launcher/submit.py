@@ -110,6 +110,14 @@ def check_slurm(cfg: RunConfig, slurm_conf: Optional[str], probe: SlurmProbe) ->
                               f"{partition}; use cluster.nodes<={total}")
 
 
+def default_job_name(cfg: RunConfig) -> str:
+    """"sto-MODEL-STRATEGY" for the built-in trainer, "sto-SCRIPT" / "sto-FUNCTION" for a user's entry point."""
+    if not cfg.entrypoint:
+        return f"sto-{cfg.model.name}-{cfg.strategy.name}"
+    name = cfg.entrypoint.rsplit(":", 1)[-1] if ":" in cfg.entrypoint else Path(cfg.entrypoint).stem
+    return f"sto-{name}"
+
+
 def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
     """submitit/sbatch parameters of this run (the same for dry run and submission)."""
     c = cfg.cluster
@@ -119,7 +127,7 @@ def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
     except ValueError as exc:
         raise ConfigError(f"cluster.env: {exc}; use letters, digits and _") from None
     params: Dict[str, Any] = {
-        "job_name": cfg.launcher.job_name or f"sto-{cfg.model.name}-{cfg.strategy.name}",
+        "job_name": cfg.launcher.job_name or default_job_name(cfg),
         "nodes": c.nodes,
         "ntasks_per_node": c.gpus_per_node,
         "cpus_per_task": c.cpus_per_task,
@@ -127,8 +135,11 @@ def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
         "signal_delay_s": c.signal_delay_s,
         "setup": setup,
         "teardown": submitit_adapter.requeue_if_signalled(c.max_requeues),
-        "additional_parameters": {"requeue": True},
+        "additional_parameters": {"requeue": True, **sbatch.extra_options(c.sbatch_extra)},
     }
+    srun_args = sbatch.srun_args(c.srun_args, c.container_image, c.container_mounts, c.container_workdir)
+    if srun_args:
+        params["srun_args"] = srun_args
     if c.accelerator == "gpu":
         params["gpus_per_node"] = c.gpus_per_node
     optional = {"partition": c.partition, "account": c.account, "qos": c.qos, "constraint": c.constraint,

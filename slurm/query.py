@@ -73,6 +73,35 @@ def sacct_history(job_ids: Iterable[str], env: Optional[Dict[str, str]] = None) 
     return rows
 
 
+ACCOUNTING_FIELDS = ("JobID", "State", "Elapsed", "ExitCode", "MaxRSS", "NNodes", "NodeList")
+
+
+def job_accounting(job_id: str, env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """One job's end as sacct tells it (empty when unknown): the newest segment's state,
+    elapsed time, exit code, nodes, the largest MaxRSS of its steps (MaxRSS is kept per
+    step, so this asks without ``-X``) and how many segments (requeues + 1) it ran."""
+    out = _run(["sacct", "-n", "-P", "-D", "-j", str(job_id), "-o", ",".join(ACCOUNTING_FIELDS)], env=env)
+    rows = [dict(zip(ACCOUNTING_FIELDS, line.split("|"))) for line in out.splitlines()
+            if len(line.split("|")) == len(ACCOUNTING_FIELDS)]
+    jobs = [r for r in rows if r["JobID"] == str(job_id)]
+    if not jobs:
+        return {}
+    result = dict(jobs[-1], segments=str(len(jobs)))
+    rss = [_bytes(r["MaxRSS"]) for r in rows if r["MaxRSS"]]
+    result["MaxRSS"] = max(rss, key=lambda pair: pair[0])[1] if rss else ""
+    return result
+
+
+def _bytes(text: str) -> tuple:
+    """("512K" -> (524288, "512K")): sacct's sizes, comparable."""
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number = text.rstrip("KMGT")
+    try:
+        return float(number) * scale.get(text[-1:], 1), text
+    except ValueError:
+        return 0.0, text
+
+
 def _sacct_rows(ids: List[str], fields: Iterable[str], env: Optional[Dict[str, str]]):
     fields = tuple(fields)
     out = _run(["sacct", "-X", "-n", "-P", "-D", "-j", ",".join(ids), "-o", ",".join(fields)], env=env)

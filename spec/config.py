@@ -69,6 +69,17 @@ class ClusterConfig:
     # Bandwidths in GB/s per GPU (planner cost model): NVLink inside a node, network across.
     intra_node_gbps: Optional[float] = None
     inter_node_gbps: Optional[float] = None
+    # Any other sbatch option, by its long name without dashes (exclusive, gres,
+    # reservation, mail-type, mail-user, dependency, licenses, ...); true = a flag without
+    # value. The options the toolkit sets itself are refused with the field to use.
+    sbatch_extra: Dict[str, Any] = field(default_factory=dict)
+    # Extra arguments of the srun that starts the tasks (e.g. ["--cpu-bind=cores"]).
+    srun_args: List[str] = field(default_factory=list)
+    # Containers through pyxis/enroot: srun's --container-image / --container-mounts /
+    # --container-workdir (the image needs this project installed).
+    container_image: Optional[str] = None
+    container_mounts: List[str] = field(default_factory=list)
+    container_workdir: Optional[str] = None
     # Path of slurm.conf to use; null: $SLURM_CONF, else the system default. The localslurm
     # profile sets "auto": the cluster started by `make cluster-up` is found by itself.
     slurm_conf: Optional[str] = None
@@ -242,6 +253,16 @@ class LauncherConfig:
 
 @dataclass
 class RunConfig:
+    # What every task runs. null: the built-in trainer. "path/to/script.py": the file runs
+    # as __main__ in every task, with entrypoint_args as its argv and the torchrun
+    # environment (as `torchrun script.py ARGS`). "package.module:function": the function
+    # is called in every task with the composed config (an OmegaConf DictConfig).
+    # Either way train/harness/user.py runs it under the task harness (README: "Run your
+    # own training script").
+    entrypoint: Optional[str] = None
+    entrypoint_args: List[str] = field(default_factory=list)
+    # The user's own settings, free-form (`+user.lr=3e-4`): the toolkit passes them on.
+    user: Dict[str, Any] = field(default_factory=dict)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)

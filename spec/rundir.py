@@ -24,6 +24,7 @@ RUN_JSON = "run.json"
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
 SBATCH = "sbatch.sh"
+ENTRYPOINT = "entrypoint.json"  # a user's entry point: what every task runs (launcher/entrypoint.py)
 LOGS = "logs"
 CHECKPOINTS = "checkpoints"
 SAVE_NOW = "SAVE_NOW"  # touch RUN_DIR/SAVE_NOW: a checkpoint at the next step boundary

@@ -6,6 +6,7 @@ put in an sbatch script or a shell line, and the cross-field checks. Every failu
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from spec.config import ConfigError, RunConfig
@@ -71,6 +72,26 @@ _LOG_DIR_FIELDS = ("launcher.root", "launcher.run_dir")
 # Slurm host lists, e.g. "node[1-3,7],gpu12".
 _HOSTLIST_FIELDS = ("cluster.exclude",)
 _HOSTLIST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.,[]")
+
+# sbatch options the toolkit sets itself (from these fields): not settable through
+# cluster.sbatch_extra / cluster.srun_args, which would contradict them.
+OWNED_SBATCH = {
+    "nodes": "cluster.nodes", "ntasks": "cluster.nodes and cluster.gpus_per_node",
+    "ntasks-per-node": "cluster.gpus_per_node", "gpus-per-node": "cluster.gpus_per_node",
+    "cpus-per-task": "cluster.cpus_per_task", "time": "cluster.time_min", "signal": "cluster.signal_delay_s",
+    "requeue": "cluster.max_requeues", "no-requeue": "cluster.max_requeues=0",
+    "output": "launcher.run_dir (logs go to RUN_DIR/slurm)", "error": "launcher.run_dir (logs go to RUN_DIR/slurm)",
+    "open-mode": "launcher.run_dir (logs are appended)", "job-name": "launcher.job_name",
+    "partition": "cluster.partition", "account": "cluster.account", "qos": "cluster.qos",
+    "constraint": "cluster.constraint", "exclude": "cluster.exclude", "mem": "cluster.mem_gb",
+    "array": "a sweep (-m), whose identical points become one job array",
+    "container-image": "cluster.container_image", "container-mounts": "cluster.container_mounts",
+    "container-workdir": "cluster.container_workdir",
+}
+_SHORT = {"N": "nodes", "n": "ntasks", "c": "cpus-per-task", "t": "time", "o": "output", "e": "error",
+          "J": "job-name", "p": "partition", "A": "account", "q": "qos", "C": "constraint", "x": "exclude",
+          "u": "unbuffered"}
+_OPTION_NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
 
 # The hang watchdog checks once a second and, once it fires, waits 3 s for every rank to
 # dump its stack (train/harness/watchdog.py): it needs this much before the collective timeout.
@@ -168,6 +189,38 @@ def _check_numbers(cfg: RunConfig) -> None:
                           "cluster.hang_timeout_s (0 disables it) or raise train.dist_timeout_s")
 
 
+def _check_slurm_options(cfg: RunConfig) -> None:
+    """cluster.sbatch_extra / srun_args / container_*: passed through, shell-quoted, but
+    never an option the toolkit sets itself, and nothing sbatch's parser would change."""
+    c = cfg.cluster
+    for key, value in c.sbatch_extra.items():
+        name = str(key).replace("_", "-")
+        if not _OPTION_NAME.match(str(key)):
+            raise ConfigError(f"cluster.sbatch_extra has the key {key!r}, which is not an sbatch long option name; "
+                              "write it without dashes, e.g. cluster.sbatch_extra.mail-type=END")
+        if name in OWNED_SBATCH:
+            raise ConfigError(f"cluster.sbatch_extra.{key}={value!r}: the toolkit sets --{name} itself; "
+                              f"use {OWNED_SBATCH[name]} instead")
+        if value is None or value is False or isinstance(value, (dict, list)):
+            raise ConfigError(f"cluster.sbatch_extra.{key}={value!r} is not an option value; give a string or "
+                              f"number, true for a flag without value, or remove the key")
+        if "\\" in str(value):
+            raise ConfigError(f"cluster.sbatch_extra.{key}={value!r} contains a backslash, which sbatch's #SBATCH "
+                              "parser drops (it escapes the next character); remove it")
+    for i, arg in enumerate(c.srun_args):
+        if not arg.startswith("-"):
+            raise ConfigError(f"cluster.srun_args[{i}]={arg!r} is not an option (srun's arguments before the "
+                              "command); write it as --option=value")
+        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else _SHORT.get(arg[1:2], "")
+        if name in OWNED_SBATCH or name == "unbuffered":
+            use = OWNED_SBATCH.get(name, "nothing: the toolkit sets it")
+            raise ConfigError(f"cluster.srun_args[{i}]={arg!r}: the toolkit sets --{name} itself; use {use} instead")
+    for i, mount in enumerate(c.container_mounts):
+        if "," in mount or not mount:
+            raise ConfigError(f"cluster.container_mounts[{i}]={mount!r}: one mount per item, SRC:DST[:FLAGS] "
+                              "without commas")
+
+
 def validate(cfg: RunConfig) -> None:
     """Check field values that do not depend on the layout; raise ConfigError (one line:
     field, value, fix).
@@ -185,6 +238,7 @@ def validate(cfg: RunConfig) -> None:
     """
     _check_strings(cfg)
     _check_numbers(cfg)
+    _check_slurm_options(cfg)
     m = cfg.model
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "

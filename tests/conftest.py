@@ -26,6 +26,27 @@ def run_dir_of(output: str) -> Path:
     return Path(lines[-1].split(": ", 1)[1])
 
 
+def wait_until(predicate, timeout: float, what: str):
+    """``predicate()``'s first truthy value, polled every 0.3 s; fails after ``timeout`` s."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def submit_run(args: List[str], cwd: Path, env: dict) -> tuple:
+    """``python -m launcher ARGS`` that submits one job: (job id, run directory)."""
+    proc = launcher(args, cwd=cwd, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = next(line.split()[2] for line in proc.stdout.splitlines() if line.startswith("submitted job"))
+    return job, run_dir_of(proc.stdout)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> dict:
     """The local Slurm cluster of slurm/cluster/up.sh; started here when `make test` has not.

@@ -9,25 +9,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import REPO, launcher, run_dir_of
+from conftest import REPO, launcher, run_dir_of, wait_until
 from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slurm_whole, pytest.mark.slow]  # resumes on the nodes left
 NODE_SH = str(REPO / "slurm" / "cluster" / "node.sh")
-
-
-def wait_until(predicate, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def test_dead_node_is_classified_and_resume_excludes_it(tmp_path, slurm_cluster):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launcher, run_dir_of
+from conftest import launcher, run_dir_of, submit_run, wait_until
 from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -25,20 +25,7 @@ def by_step(run_dir: Path) -> dict:
 
 
 def submit(tmp_path: Path, env: dict, extra: list) -> tuple[str, Path]:
-    proc = launcher(ARGS + extra, cwd=tmp_path, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job = next(line.split()[2] for line in proc.stdout.splitlines() if line.startswith("submitted job"))
-    return job, run_dir_of(proc.stdout)
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return submit_run(ARGS + extra, tmp_path, env)
 
 
 def steps_logged(run_dir: Path) -> int:

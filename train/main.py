@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from spec.rundir import CONFIG, Status
+from spec.rundir import CONFIG, ENTRYPOINT, Status
 from train.harness.preempt import PreemptionFlag
 from train.harness.run import Task, run_task
 
@@ -34,6 +34,8 @@ def warm_imports(run_dir: str) -> None:
     from spec.rundir import CONFIG
 
     cfg = to_run_config(Path(run_dir) / CONFIG)
+    if cfg.entrypoint:
+        return  # a user's code: it imports what it imports, after the fork
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (the optimizer's constructor imports it)
     import torch.distributed.checkpoint  # noqa: F401  (saves and resumes)
@@ -52,9 +54,14 @@ def warm_imports(run_dir: str) -> None:
 
 
 def run(run_dir: str | Path, flag: PreemptionFlag | None = None) -> int:
-    """One task of a built-in training job; records the outcome in run.json. Returns 0."""
+    """One task of a job (the built-in trainer or a user's entry point); records the
+    outcome in run.json. Returns 0, or a user's script's exit status."""
     if flag is None:
         flag = PreemptionFlag().install()  # before torch: see train.harness.job
+    if (Path(run_dir) / ENTRYPOINT).is_file():  # a user's script or function (launcher/entrypoint.py)
+        from train.harness.user import run_user
+
+        return run_user(run_dir, flag)
     # The trainer's imports (torch, its distributed packages: seconds) before the harness
     # joins the job and its watchdog's start-up clock runs.
     import train.loop  # noqa: F401

@@ -1,4 +1,5 @@
-"""``python -m launcher.cancel SWEEP_DIR [POINT...]``: cancel a sweep's jobs (all, or some points).
+"""``python -m launcher.cancel SWEEP_DIR [POINT...]``: cancel a sweep's jobs (all, or some points);
+``python -m launcher.cancel RUN_DIR``: a single run's job (:mod:`launcher.track.single`).
 
 POINT is a point's directory name inside the sweep (Hydra's job number: 0, 1, ...).
 The jobs are found as ``launcher.status`` finds them (one squeue + one sacct call) and
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from launcher.track.status import UsageError, collect, resolve_sweep_dir
@@ -18,9 +20,17 @@ from slurm import query
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.cancel", description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_dir", help="sweep directory (runs/multirun/<sweep>)")
+    parser.add_argument("sweep_dir", help="sweep directory (runs/multirun/<sweep>), or a single run's directory")
     parser.add_argument("points", nargs="*", help="points to cancel (default: every point)")
     args = parser.parse_args(argv)
+    from launcher.track import single
+
+    if single.is_single_run(Path(args.sweep_dir)):
+        if args.points:
+            print(f"error: {args.sweep_dir} is a single run, not a sweep: it has no points; drop "
+                  f"{' '.join(args.points)}", file=sys.stderr)
+            return 2
+        return single.cancel_main(Path(args.sweep_dir))
     try:
         sweep = collect(resolve_sweep_dir(args.sweep_dir))
         known = {p.point: p for p in sweep.points}

@@ -67,15 +67,19 @@ def report_rows(sweep: Sweep) -> List[Dict[str, Any]]:
             "job_id": p.job_id, "run_dir": str(p.run_dir or ""),
         })
     for label in sorted(set(labels)):
-        members = [r for r in rows if r["series"] == label and r["outcome"] == "completed" and r["samples_per_s"]
-                   and r["gpus"]]
+        members = [r for r in rows if r["series"] == label and r["outcome"] == "completed" and r["gpus"]
+                   and (r["samples_per_s"] or r["tokens_per_s"])]
         if not members:
             continue
+        # Samples/s where every point has it (the built-in trainer); tokens/s for a user's
+        # code that logs only that.
+        basis = "samples_per_s" if all(r["samples_per_s"] for r in members) else "tokens_per_s"
+        members = [r for r in members if r[basis]]
         kind = scaling_kind((r["gpus"], r["global_batch"]) for r in members)
         base = min(members, key=lambda r: (r["gpus"], r["nodes"] or 0, len(r["point"]), r["point"]))
         for r in members:
-            r["efficiency"] = efficiency(r["samples_per_s"], r["gpus"], base["samples_per_s"], base["gpus"])
-            r["scaling"], r["baseline_point"] = kind, base["point"]
+            r["efficiency"] = efficiency(r[basis], r["gpus"], base[basis], base["gpus"])
+            r["scaling"], r["baseline_point"], r["_basis"] = kind, base["point"], basis
     return rows
 
 
@@ -154,7 +158,7 @@ def plot(rows: List[Dict[str, Any]], path: Path) -> List[str]:
     thr, eff = fig.subplots(1, 2)
     series, ticks = [], set()
     for label in sorted({r["series"] for r in rows}):
-        pts = sorted((r["gpus"], r["samples_per_s"], r["efficiency"]) for r in rows
+        pts = sorted((r["gpus"], r[r["_basis"]], r["efficiency"]) for r in rows
                      if r["series"] == label and r["efficiency"] is not None)
         if not pts:
             continue
@@ -166,7 +170,8 @@ def plot(rows: List[Dict[str, Any]], path: Path) -> List[str]:
         thr.plot(gpus, [base_s * g / base_g for g in gpus], ls="--", color=line.get_color(), alpha=0.5)
         eff.plot(gpus, [e * 100 for _, _, e in pts], marker="o", label=f"{label} ({kind})", color=line.get_color())
         ticks.update(gpus)
-    thr.set(xlabel="GPUs (ranks)", ylabel="samples/s", title="throughput (dashed: linear from the smallest point)")
+    bases = {r["_basis"] for r in rows if r.get("_basis")}
+    thr.set(xlabel="GPUs (ranks)", ylabel=" | ".join(sorted(b.replace("_per_s", "/s") for b in bases)) or "samples/s", title="throughput (dashed: linear from the smallest point)")
     eff.set(xlabel="GPUs (ranks)", ylabel="efficiency %", title="scaling efficiency")
     eff.axhline(100, color="grey", lw=0.8)
     for ax in (thr, eff):

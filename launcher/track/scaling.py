@@ -50,6 +50,17 @@ def _mean(values: List[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
+def _rate(rows: Sequence[Dict[str, Any]], key: str) -> Optional[float]:
+    """Total work / total time over ``rows`` (a mean of the rates where rows have no step
+    times); None when some row lacks ``key`` (a user's code may log only some rates)."""
+    if not rows or any(r.get(key) is None for r in rows):
+        return None
+    time_s = sum(r.get("step_time_s") or 0.0 for r in rows)
+    if time_s > 0 and all(r.get("step_time_s") is not None for r in rows):
+        return sum(r[key] * r["step_time_s"] for r in rows) / time_s
+    return _mean([r[key] for r in rows])
+
+
 def point_metrics(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """Throughput and friends of one point from its stitched metrics rows.
 
@@ -60,13 +71,7 @@ def point_metrics(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     if not rows:
         return {}
     ok = steady(rows)
-    time_s = sum(r.get("step_time_s") or 0.0 for r in ok)
-    if time_s > 0:
-        tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in ok) / time_s
-        samples = sum(r["samples_per_s"] * r["step_time_s"] for r in ok) / time_s
-    else:  # rows without step times: fall back to the mean rate
-        tokens = _mean([r["tokens_per_s"] for r in ok])
-        samples = _mean([r["samples_per_s"] for r in ok])
+    tokens, samples = _rate(ok, "tokens_per_s"), _rate(ok, "samples_per_s")
     return {
         "last_step": rows[-1]["step"], "steady_steps": len(ok),
         "tokens_per_s": tokens, "samples_per_s": samples,

@@ -104,7 +104,7 @@ def _int(value: Any) -> Optional[int]:
         return None
 
 
-def _job_name(run_dir: Optional[Path]) -> Optional[str]:
+def job_name_of(run_dir: Optional[Path]) -> Optional[str]:
     try:
         match = re.search(r"^#SBATCH --job-name=(\S+)", (run_dir / "sbatch.sh").read_text(), re.M)
     except (OSError, TypeError):
@@ -123,7 +123,7 @@ def _point(entry: Dict[str, Any]) -> Point:
     return Point(point=entry["point"], event=entry["event"], overrides=list(entry.get("overrides", [])),
                  job_id=job, run_dir=run_dir, strategy=entry.get("strategy") or run.get("strategy") or "?",
                  nodes=_int(entry.get("nodes") or run.get("nodes")), gpus_per_node=_int(entry.get("gpus_per_node")),
-                 submitted_at=submitted[-1] if submitted else None, job_name=_job_name(run_dir), run=run,
+                 submitted_at=submitted[-1] if submitted else None, job_name=job_name_of(run_dir), run=run,
                  rows=stitch(read_metrics(run_dir)) if run_dir and run_dir.is_dir() else [],
                  detail=entry.get("reason", "") if entry["event"] != "submitted" else "")
 
@@ -261,8 +261,13 @@ def counts(sweep: Sweep) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.status", description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_dir", nargs="?", help="sweep directory (default: newest under runs/multirun)")
+    parser.add_argument("sweep_dir", nargs="?", help="sweep directory (default: newest under runs/multirun), "
+                        "or a single run's directory")
     args = parser.parse_args(argv)
+    from launcher.track import single
+
+    if args.sweep_dir and single.is_single_run(Path(args.sweep_dir)):
+        return single.status_main(Path(args.sweep_dir))
     try:
         sweep = collect(resolve_sweep_dir(args.sweep_dir))
     except UsageError as exc:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from slurm import query
 from slurm.env import slurm_job_id
@@ -38,6 +38,9 @@ class PreemptionFlag:
         self.received_at: Optional[float] = None
         # Set by the loop from every rank's flag: did any rank get the user signal?
         self.agreed_requeue = False
+        # Called with the signal number after the flag is set (a user's task acts on it at
+        # once unless its code checks the flag itself: train.harness.user).
+        self.hook: Optional[Callable[[int], None]] = None
 
     def install(self) -> "PreemptionFlag":
         for sig in (signal.SIGUSR2, signal.SIGTERM):
@@ -47,6 +50,8 @@ class PreemptionFlag:
     def _handler(self, signum, frame) -> None:
         if self.signum is None:
             self.signum, self.received_at = signum, time.time()
+        if self.hook is not None:
+            self.hook(signum)
 
     @property
     def is_set(self) -> bool:

@@ -1,0 +1,187 @@
+"""A user's entry point under the task harness: a script run as ``__main__`` or a function.
+
+What ``RUN_DIR/entrypoint.json`` names (written by the launcher, :mod:`launcher.entrypoint`)
+runs in every task, as ``torchrun script.py ARGS`` would run it: the torchrun variables,
+``STO_RUN_DIR`` and Accelerate's variables for the strategy (:mod:`spec.user_env`) are in
+``os.environ``; the code makes its own process group. Around it the harness does what it
+does for the built-in trainer, minus what only a trainer can: run.json (``running``, then
+``completed`` / ``failed`` by the exit status or exception, or a counted requeue), the
+heartbeats (no hang check: the harness cannot see the code's steps), ``logs/rank{R}.log``,
+and preemption:
+
+- code that calls :func:`train.session.should_stop` handles the signal itself: the flag
+  is set, the code saves and returns, and rank 0 requeues the job;
+- code that never asks is requeued at once when the warning signal (USR2) comes: rank 0
+  records the preemption (or timeout) and runs ``scontrol requeue``, and every rank
+  leaves the code with :class:`Preempted` (a BaseException: ``except Exception`` does
+  not swallow it). The requeued job restarts the script, which resumes from its own
+  checkpoints. A SIGTERM alone (``scancel``) ends it as ``interrupted``, not requeued.
+
+A requeued segment whose script (or module) file changed since submission says so in its
+log and in run.json (``code_changed``): entrypoint.json keeps the sha256 and git state.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import runpy
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from slurm.env import expand_hostlist, task_env
+from spec.config import RunConfig, to_run_config
+from spec.layout import build_layout
+from spec.rundir import CONFIG, ENTRYPOINT, Status, read_run_json, status_of, update_run_json
+from spec.user_env import task_environment
+from train import session
+from train.harness.outcome import after_interruption, record_failure
+from train.harness.preempt import PreemptionFlag, in_slurm_job
+from train.harness.run import rank_logger
+from train.harness.watchdog import Watchdog
+
+
+class Preempted(BaseException):
+    """Raised in a task whose code does not handle signals, when one comes."""
+
+
+class ExitStatus(RuntimeError):
+    """The user's script exited with a non-zero status."""
+
+
+def _hostnames(launcher: str) -> list:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") if launcher == "srun" else None
+    return expand_hostlist(nodelist) if nodelist else [socket.gethostname()]
+
+
+def _code_changed(entry: Dict[str, Any]) -> bool:
+    try:
+        return hashlib.sha256(Path(entry["path"]).read_bytes()).hexdigest() != entry.get("sha256")
+    except OSError:
+        return True
+
+
+def _call(entry: Dict[str, Any], cfg: RunConfig, run_dir: Path) -> int:
+    """Run the code; its exit status (0 when a function returns)."""
+    if entry["sys_path"] not in sys.path:
+        sys.path.insert(0, entry["sys_path"])
+    try:
+        if entry["kind"] == "script":
+            sys.argv = [entry["path"], *cfg.entrypoint_args]
+            runpy.run_path(entry["path"], run_name="__main__")
+        else:
+            from omegaconf import OmegaConf
+
+            function = getattr(importlib.import_module(entry["module"]), entry["function"])
+            function(OmegaConf.load(run_dir / CONFIG))
+    except SystemExit as exc:
+        if exc.code is None or exc.code == 0:
+            return 0
+        if isinstance(exc.code, int):
+            return exc.code
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+@dataclass
+class _Task:
+    """This task of a user's run, ready to call the code."""
+
+    cfg: RunConfig
+    run_dir: Path
+    entry: Dict[str, Any]
+    te: Any  # slurm.env.TaskEnv
+    info: Dict[str, Any]  # run.json as the segment started
+    log: Any  # logging.Logger
+
+
+def _prepare(run_dir: Path) -> Optional[_Task]:
+    """Environment, logger and run.json (``running``) of this task; None when the run is
+    finished and must not run again."""
+    cfg = to_run_config(run_dir / CONFIG)
+    layout = build_layout(cfg)
+    entry = json.loads((run_dir / ENTRYPOINT).read_text())
+    te = task_env()
+    if te.world_size != layout.world_size:
+        raise RuntimeError(f"the job has {te.world_size} tasks but the layout needs {layout.world_size}")
+    os.environ.update(task_environment(cfg, layout, run_dir, te.rank, te.master_addr, str(te.master_port)))
+    # One intra-op thread pool per task sized to its CPUs, as torchrun does (OMP_NUM_THREADS):
+    # srun tasks otherwise each start one thread per core of the node (steps 30x slower here).
+    os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK") or str(cfg.cluster.cpus_per_task))
+    log = rank_logger(run_dir, te.rank)
+    info = read_run_json(run_dir)
+    status = status_of(info)
+    if status is not None and status.final:
+        log.info(f"run is {status}; nothing to do (resubmit with `python -m launcher.resume {run_dir}`)")
+        return None
+    changed = _code_changed(entry)
+    segment = int(info.get("segments", 0)) + 1
+    if te.rank == 0:
+        update_run_json(run_dir, status=Status.RUNNING, job_id=te.job_id, hostnames=_hostnames(te.launcher),
+                        world_size=te.world_size, nodes=cfg.cluster.nodes, segments=segment,
+                        strategy=cfg.strategy.name, launcher=te.launcher, entrypoint=cfg.entrypoint,
+                        started_at=time.time(), restart_count=te.restart_count, error=None, failure=None,
+                        code_changed=changed)
+    log.info(f"segment {segment}: {entry['kind']} {cfg.entrypoint}, rank {te.rank} of {te.world_size} ({te.launcher})")
+    if changed:
+        log.warning(f"{entry['path']} changed since submission (sha256 differs from {ENTRYPOINT})")
+    return _Task(cfg, run_dir, entry, te, dict(info, segments=segment), log)
+
+
+def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:
+    """One task of a user's entry point; records the outcome in run.json. Returns the
+    code's exit status (0 after a requeue or an interruption)."""
+    task = _prepare(Path(run_dir).resolve())
+    if task is None:
+        return 0
+    cfg, run_dir, te, log = task.cfg, task.run_dir, task.te, task.log
+    watchdog = Watchdog(run_dir, te.rank, te.node_rank, socket.gethostname(), te.world_size, 0).start()
+    flag = flag if flag is not None else PreemptionFlag().install()
+    state = session._State(run_dir, te.rank, te.world_size, task.info["segments"], flag, watchdog)
+    session._bind(state)
+
+    def on_signal(signum: int) -> None:
+        """Unless the code checks the flag itself: record (rank 0: requeue), then leave it."""
+        if state.asked:
+            return  # the code saves and returns at its next should_stop()
+        flag.hook = None  # once
+        flag.agreed_requeue = signum == signal.SIGUSR2
+        if te.rank == 0:
+            after_interruption(cfg, run_dir, task.info, log, flag)
+        if in_slurm_job():  # the requeue's SIGTERM (or the end of the grace time) may follow
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Preempted(signum)
+
+    flag.hook = on_signal
+    try:
+        if flag.signum is not None:  # it came during start-up, before the hook
+            on_signal(flag.signum)
+        code = _call(task.entry, cfg, run_dir)
+        if code:
+            raise ExitStatus(f"{task.entry['path']} exited with status {code}")
+    except Preempted:
+        log.info("interrupted by a signal; the code did not ask (train.session.should_stop)")
+        return 0
+    except BaseException as exc:
+        flag.hook = None
+        record_failure(exc, run_dir, te.rank, te.world_size, log)
+        if isinstance(exc, ExitStatus):
+            return code
+        raise
+    finally:
+        watchdog.stop()
+        session._bind(None)
+    flag.hook = None
+    if te.rank == 0:
+        if state.stop or state.requeue:
+            after_interruption(cfg, run_dir, task.info, log, flag)
+        else:
+            update_run_json(run_dir, status=Status.COMPLETED, ended_at=time.time())
+    return 0
