@@ -4,21 +4,67 @@ Hydra's own messages for these mistakes span several lines and exit 1; users get
 instead one line naming the field, the value and the fix, and exit status 2:
 unknown group option, a group given without ``+``, an unknown field, a sweep
 without ``-m``.
+
+Groups and options are looked up where Hydra looks them up: ``conf/``, then the user's
+own config directories (``--config-dir DIR``, and ``hydra.searchpath=[file://DIR,...]``),
+which may add options to our groups (``cluster/ourcluster.yaml``) and groups of their own
+(``experiment/bigrun.yaml``, used as ``+experiment=bigrun``).
 """
 from __future__ import annotations
 
 import dataclasses
 import typing
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Optional, Tuple
 
 from spec.config import GROUPS, ConfigError, RunConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
-def group_options(group: str) -> List[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+# Hydra's command-line flags that take a value (the value is not an override).
+VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--experimental-rerun")
+
+
+def split_args(args: List[str]) -> Tuple[List[str], List[Path]]:
+    """(the overrides, the directories of ``--config-dir``) of a command line."""
+    overrides, dirs, skip = [], [], False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        flag, _, value = arg.partition("=")
+        if flag in VALUE_FLAGS:
+            if not value:
+                value, skip = (args[i + 1] if i + 1 < len(args) else ""), True
+            if flag in ("--config-dir", "-cd") and value:
+                dirs.append(Path(value).expanduser())
+        elif not arg.startswith("-"):
+            overrides.append(arg)
+    return overrides, dirs
+
+
+def search_dirs(extra: List[Path], parsed: List[Any]) -> List[Path]:
+    """conf/, the ``--config-dir`` directories and the file paths of ``hydra.searchpath``."""
+    dirs = [CONF_DIR, *extra]
+    for o in parsed:
+        if o.key_or_group == "hydra.searchpath":
+            value = o.value()
+            for item in value if isinstance(value, list) else [value]:
+                text = str(item)
+                if text.startswith("file://"):
+                    dirs.append(Path(text[len("file://"):]))
+                elif "://" not in text:
+                    dirs.append(Path(text))
+    return dirs
+
+
+def group_options(group: str, dirs: Optional[List[Path]] = None) -> List[str]:
+    return sorted({p.stem for d in (dirs or [CONF_DIR]) for p in (d / group).glob("*.yaml")})
+
+
+def _is_group(key: str, dirs: List[Path]) -> bool:
+    return key in GROUPS or any((d / key).is_dir() for d in dirs[1:])
 
 
 def _field_names(cls: Any) -> List[str]:
@@ -49,11 +95,16 @@ def check_overrides(args: List[str], multirun: bool) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    candidates = [a for a in args if not a.startswith("-")]
+    candidates, config_dirs = split_args(args)
+    for d in config_dirs:
+        if not d.is_dir():
+            raise ConfigError(f"--config-dir {d}: no such directory; give the directory that holds your "
+                              "groups (e.g. ~/myteam/conf with cluster/ourcluster.yaml)")
     try:
         parsed = OverridesParser.create().parse_overrides(overrides=candidates)
     except HydraException as exc:
         raise ConfigError(f"cannot parse overrides {' '.join(candidates)!r}: {str(exc).splitlines()[0]}") from None
+    dirs = search_dirs(config_dirs, parsed)
     for o in parsed:
         key = o.key_or_group
         if key.startswith("hydra"):
@@ -61,16 +112,18 @@ def check_overrides(args: List[str], multirun: bool) -> None:
         text = o.input_line or key
         if o.is_sweep_override() and not multirun:
             raise ConfigError(f"{text} is a sweep; add -m (--multirun) to submit one job per value")
-        if key in GROUPS:
+        if _is_group(key, dirs):
             if not (o.is_add() or o.is_force_add()):
                 raise ConfigError(f"{text}: group {key!r} is not in the defaults list; append it with +{text}")
             values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
-            options = group_options(key)
+            options = group_options(key, dirs)
             for value in values:
                 if value not in options:
+                    where = ", ".join(f"{d}/{key}/" for d in dirs if (d / key).is_dir())
                     raise ConfigError(f"+{key}={value}: unknown {key} {value!r}; choose one of "
-                                      f"{', '.join(options)} (files in conf/{key}/)")
+                                      f"{', '.join(options)} (files in {where})")
             continue
         if "/" in key:
-            raise ConfigError(f"{text}: unknown config group {key!r}; groups are {', '.join(GROUPS)}")
+            raise ConfigError(f"{text}: unknown config group {key!r}; groups are {', '.join(GROUPS)} (conf/), "
+                              "or a directory of your own config directory (--config-dir DIR)")
         check_key(key)

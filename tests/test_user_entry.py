@@ -318,3 +318,40 @@ def test_accelerate_engine_is_the_strategys_where_cuda_exists(tmp_path, strategy
     seen = json.loads((run_dir_of(proc.stdout) / "accelerate_rank0.json").read_text())
     assert seen["distributed_type"] == engine
     assert seen["zero_stage"] == (2 if strategy == "zero2" else None)
+
+
+# --- users' own config directories -------------------------------------------------------
+
+@pytest.fixture
+def team_conf(tmp_path):
+    conf = tmp_path / "myteam" / "conf"
+    (conf / "cluster").mkdir(parents=True)
+    (conf / "experiment").mkdir()
+    (conf / "cluster" / "ourcluster.yaml").write_text(
+        "name: ourcluster\nbackend: slurm\nnodes: 2\ngpus_per_node: 4\naccelerator: gpu\npartition: gpu\n"
+        "peak_tflops_bf16: 989\ngpu_mem_gb: 80\n")
+    (conf / "experiment" / "bigrun.yaml").write_text("# @package _global_\ntrain:\n  steps: 1234\n")
+    return conf
+
+
+@pytest.mark.parametrize("how", ["--config-dir", "searchpath"])
+def test_own_config_directory_adds_clusters_and_groups(tmp_path, team_conf, how):
+    where = ["--config-dir", str(team_conf)] if how == "--config-dir" else [f"hydra.searchpath=[file://{team_conf}]"]
+    proc = launcher([*where, "+cluster=ourcluster", "+experiment=bigrun", "launcher.dry_run=true"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    config = (run_dir_of(proc.stdout) / "config.yaml").read_text()
+    assert "name: ourcluster" in config and "partition: gpu" in config and "steps: 1234" in config
+    assert "#SBATCH --nodes=2" in proc.stdout and "#SBATCH --gpus-per-node=4" in proc.stdout
+
+
+def test_own_config_directory_in_a_sweep_and_its_errors(tmp_path, team_conf):
+    sweep = launcher(["--config-dir", str(team_conf), "+cluster=ourcluster", "cluster.nodes=1,2",
+                      "launcher.dry_run=true", "-m"], cwd=tmp_path)
+    assert sweep.returncode == 0, sweep.stdout + sweep.stderr
+    assert sweep.stdout.count("dry run: nothing submitted") == 2
+    unknown = launcher(["--config-dir", str(team_conf), "+cluster=theirs"], cwd=tmp_path)
+    assert unknown.returncode == 2
+    assert f"choose one of a100x8, h100x8, h200x8, local, localslurm, ourcluster (files in {REPO}/conf/cluster/, " \
+           f"{team_conf}/cluster/)" in unknown.stderr
+    missing = launcher(["--config-dir", str(tmp_path / "nope"), "+cluster=ourcluster"], cwd=tmp_path)
+    assert missing.returncode == 2 and f"--config-dir {tmp_path / 'nope'}: no such directory" in missing.stderr
