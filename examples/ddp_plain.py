@@ -86,7 +86,7 @@ def main() -> None:
             print(f"step {step} loss {mean:.4f}", flush=True)
             if run_dir:
                 row = {"step": step, "loss": mean, "step_time_s": dt,
-                       "tokens_per_s": world * args.batch * args.seq / dt, "world_size": world}
+                       "tokens_per_s": world * args.batch * args.seq / dt, "world_size": world, "time": time.time()}
                 with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
                     f.write(json.dumps(row) + "\n")
         if ckpt and rank == 0 and step % 5 == 0:
