@@ -131,3 +131,20 @@ def test_report_over_a_sweep_of_the_plain_example_and_cancel_of_a_single_run(tmp
                                           text=True).stdout.strip(), 120, "the cancelled job to leave the queue")
     status = module("status", [str(doomed)], env, tmp_path)
     assert f"slurm: job {job} CANCELLED" in status.stdout, status.stdout + status.stderr
+
+
+def test_plain_script_is_requeued_on_the_warning_signal_and_restarts_from_its_checkpoint(tmp_path, slurm_cluster):
+    env = slurm_cluster
+    job, run_dir = submit(TWO_NODES + [f"entrypoint={EXAMPLES / 'ddp_plain.py'}",
+                                       "entrypoint_args=[--steps,14,--step-delay,0.4]"], tmp_path, env)
+    wait_until(lambda: len(read_metrics(run_dir)) >= 7, 240, "7 steps")
+    subprocess.run(["scancel", "--signal=USR2", job], env=env, check=True)
+    assert finished(run_dir) == "completed", read_run_json(run_dir)
+    info = read_run_json(run_dir)
+    assert (info["preemptions"], info["segments"], info["restart_count"], info["job_id"]) == (1, 2, 1, job), info
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps[-1] == 14 and set(steps) == set(range(1, 15))  # steps after its last checkpoint are redone
+    out = "".join(p.read_text() for p in sorted((run_dir / "slurm").glob("*_0_log.out")))
+    assert "resumed at step 5 (SLURM_RESTART_COUNT=1)" in out or "resumed at step 10 (SLURM_RESTART_COUNT=1)" in out
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "the code did not ask" in log and "requeue of job" in log

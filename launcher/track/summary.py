@@ -31,7 +31,7 @@ def _metric_lines(rows: List[MetricsRow]) -> List[str]:
     parts = [f"tokens/s: {tps:,.0f}" if tps is not None else "", f"samples/s: {sps:,.1f}" if sps is not None else "",
              f"peak mem/rank: {_mib(max(mem))}" if mem else "",
              f"mfu: {mfu * 100:.1f}%" if mfu is not None else ("mfu: n/a (no peak FLOPs for this cluster)"
-                                                               if "mfu" in rows[-1] else "")]
+                                                               if tps is not None and sps is not None else "")]
     if any(parts):
         lines.append("  ".join(p for p in parts if p))
     return lines
