@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,10 +25,26 @@ from spec.config import RunConfig
 from spec.layout import Layout
 
 
+# Rendezvous ports of local runs: below the kernel's ephemeral range (Linux: 32768-60999),
+# which every outgoing connection (gloo's among them) and every bind to port 0 draws from,
+# and apart from the Slurm jobs' 29500 + job id % 10000. A port checked free by binding it
+# and closing is only reserved until rank 0's TCPStore binds it; taken from the ephemeral
+# range, another process got it in between (EADDRINUSE with several local runs at once).
+LOCAL_PORTS = range(15000, 25000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no one listens on now, drawn at random from :data:`LOCAL_PORTS`."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(LOCAL_PORTS.start, LOCAL_PORTS.stop)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {LOCAL_PORTS.start}-{LOCAL_PORTS.stop - 1} after 200 tries")
 
 
 def run_local(cfg: RunConfig, layout: Layout, run_dir: Path) -> int:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import warnings
 
 import pytest
 import torch.multiprocessing as mp
 
 from conftest import REPO
+from launcher.local import free_port
 from helpers import compose_run
 
 pytestmark = pytest.mark.slow
@@ -106,9 +106,7 @@ def _rank(rank: int, world: int, port: int, cfg, out: str) -> None:
 
 def measure(strategy: str, tmp_path, world: int = N) -> list:
     cfg = compose_run([f"+strategy={strategy}", f"cluster.gpus_per_node={world}", *MODEL])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.start_processes(_rank, args=(world, port, cfg, str(tmp_path)), nprocs=world, start_method="spawn")

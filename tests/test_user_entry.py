@@ -197,7 +197,7 @@ def _signal_rank0_after(run_dir: Path, steps: int, proc: subprocess.Popen) -> No
     os.kill(int(rank0.split()[0]), signal.SIGUSR2)
 
 
-@pytest.mark.parametrize("script, api", [(SESSION, True), (PLAIN, False)])
+@pytest.mark.parametrize("script, api", [(SESSION, True), (PLAIN, False)], ids=["session-api", "plain"])
 def test_signalled_script_is_interrupted_and_resumes_to_the_same_loss(tmp_path, script, api):
     args = [f"entrypoint={script}", "entrypoint_args=[--steps,12,--step-delay,0.3]"]
     reference = launcher([f"entrypoint={script}", "entrypoint_args=[--steps,12]"], cwd=tmp_path)
