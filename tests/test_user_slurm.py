@@ -147,4 +147,4 @@ def test_plain_script_is_requeued_on_the_warning_signal_and_restarts_from_its_ch
     out = "".join(p.read_text() for p in sorted((run_dir / "slurm").glob("*_0_log.out")))
     assert "resumed at step 5 (SLURM_RESTART_COUNT=1)" in out or "resumed at step 10 (SLURM_RESTART_COUNT=1)" in out
     log = (run_dir / "logs" / "rank0.log").read_text()
-    assert "the code did not ask" in log and "requeue of job" in log
+    assert "requeue of job" in log and "the job is requeued; running on until Slurm ends this task" in log

@@ -148,15 +148,23 @@ def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:
     session._bind(state)
 
     def on_signal(signum: int) -> None:
-        """Unless the code checks the flag itself: record (rank 0: requeue), then leave it."""
+        """Unless the code checks the flag itself: rank 0 records the interruption and
+        requeues the job. Under Slurm a requeued job's tasks are then ended by Slurm's
+        SIGTERM (its default action again), so every rank keeps running until then: a rank
+        that left its code early would break its peers' collectives. Otherwise (no
+        Slurm, or no requeue: cancelled, the cap reached) every rank leaves its code."""
         if state.asked:
             return  # the code saves and returns at its next should_stop()
         flag.hook = None  # once
         flag.agreed_requeue = signum == signal.SIGUSR2
         if te.rank == 0:
             after_interruption(cfg, run_dir, task.info, log, flag)
-        if in_slurm_job():  # the requeue's SIGTERM (or the end of the grace time) may follow
+        if in_slurm_job():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            requeued = status_of(read_run_json(run_dir)) is Status.REQUEUED
+            if requeued or (te.rank != 0 and signum == signal.SIGUSR2):
+                log.info("warning signal: the job is requeued; running on until Slurm ends this task")
+                return
         raise Preempted(signum)
 
     flag.hook = on_signal
@@ -166,11 +174,14 @@ def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:
         code = _call(task.entry, cfg, run_dir)
         if code:
             raise ExitStatus(f"{task.entry['path']} exited with status {code}")
-    except Preempted:
-        log.info("interrupted by a signal; the code did not ask (train.session.should_stop)")
-        return 0
     except BaseException as exc:
         flag.hook = None
+        if isinstance(exc, Preempted) or (flag.is_set and not state.asked):
+            # After a signal the code did not handle, a peer that left makes this rank's
+            # collectives fail: that is the interruption, not a failure of the run.
+            log.info(f"interrupted by a signal ({type(exc).__name__}); the code did not ask "
+                     "(train.session.should_stop)")
+            return 0
         record_failure(exc, run_dir, te.rank, te.world_size, log)
         if isinstance(exc, ExitStatus):
             return code
