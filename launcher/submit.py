@@ -148,8 +148,9 @@ def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
     return params
 
 
-def render_script(cfg: RunConfig, layout: Layout, run_dir: Path, python: Optional[str] = None) -> str:
-    return submitit_adapter.render(slurm_parameters(cfg, layout), run_dir / "slurm", python)
+def render_script(cfg: RunConfig, layout: Layout, run_dir: Path, python: Optional[str] = None,
+                  wrapper: Optional[str] = None) -> str:
+    return submitit_adapter.render(slurm_parameters(cfg, layout), run_dir / "slurm", python, wrapper)
 
 
 def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[str]):

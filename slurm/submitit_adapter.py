@@ -63,27 +63,38 @@ def requeue_if_signalled(max_requeues: int) -> list[str]:
     return _REQUEUE_IF_SIGNALLED.format(max_requeues=int(max_requeues)).splitlines()
 
 
-def submitit_command(folder: str | Path, python: Optional[str] = None) -> str:
-    """The command submitit's SlurmExecutor puts after ``srun``."""
+TASK_WRAPPER = Path(__file__).resolve().with_name("task_wrapper.sh")
+
+
+def task_python(python: Optional[str] = None, wrapper: Optional[str] = None) -> str:
+    """What starts Python in every task (submitit's ``python`` parameter, "command to
+    launch python"): :data:`TASK_WRAPPER`, which starts it with the warning signal
+    recorded rather than fatal until the harness's handler exists."""
     python = shlex.quote(sys.executable) if python is None else python
-    return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    return f"/bin/bash {shlex.quote(str(wrapper or TASK_WRAPPER))} {python}"
 
 
-def render(params: Dict[str, Any], folder: str | Path, python: Optional[str] = None) -> str:
+def submitit_command(folder: str | Path, python: Optional[str] = None, wrapper: Optional[str] = None) -> str:
+    """The command submitit's SlurmExecutor puts after ``srun`` (with :func:`task_python`)."""
+    return " ".join([task_python(python, wrapper), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+
+
+def render(params: Dict[str, Any], folder: str | Path, python: Optional[str] = None,
+           wrapper: Optional[str] = None) -> str:
     """The sbatch script for ``params`` (submitit parameter names) and a submitit folder."""
     from submitit.slurm.slurm import _convert_mem, _make_sbatch_string
 
     params = dict(params)
     if "mem" in params:
         params["mem"] = _convert_mem(params["mem"])
-    return _make_sbatch_string(command=submitit_command(folder, python), folder=folder, **params)
+    return _make_sbatch_string(command=submitit_command(folder, python, wrapper), folder=folder, **params)
 
 
 def submit(call: TaskCall, folder: Path, params: Dict[str, Any], max_requeues: int):
     """Submit one job through submitit's executor; the submitit Job (as soon as sbatch answers)."""
     import submitit
 
-    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues)
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues, python=task_python())
     executor.update_parameters(**params)
     return executor.submit(call)
 

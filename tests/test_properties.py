@@ -218,13 +218,14 @@ def test_hostile_run_dir_is_refused_or_reaches_the_job_exactly(value):
     cfg.launcher.run_dir = str(run_dir)
     if _refused(cfg, "launcher.run_dir", "run_dir", str(run_dir)):
         return
-    script = render_script(cfg, build_layout(cfg), run_dir, python="python")
+    script = render_script(cfg, build_layout(cfg), run_dir, python="python", wrapper="/opt/sto/task_wrapper.sh")
     folder = f"{run_dir}/slurm"
     assert _sbatch_flag(script, "--output") == f"{folder}/%j_0_log.out"
     assert _sbatch_flag(script, "--error") == f"{folder}/%j_0_log.err"
     words = _run_script(script)
     assert words["srun"] == ["--unbuffered", "--output", f"{folder}/%j_%t_log.out", "--error",
-                             f"{folder}/%j_%t_log.err", "python", "-u", "-m", "submitit.core._submit", folder]
+                             f"{folder}/%j_%t_log.err", "/bin/bash", "/opt/sto/task_wrapper.sh", "python", "-u",
+                             "-m", "submitit.core._submit", folder]
 
 
 @_SLOW

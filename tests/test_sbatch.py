@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from launcher.submit import render_script, slurm_parameters
+from slurm import submitit_adapter
 from helpers import compose_run as _compose
 from spec.validate import validate
 from spec.layout import build_layout
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN_DIR = Path("/scratch/runs/demo run")   # a space: every path must be quoted
+WRAPPER = "/opt/sto/slurm/task_wrapper.sh"  # where the project lies differs between checkouts
 
 
 def _a100_two_nodes():
@@ -25,7 +27,7 @@ def _a100_two_nodes():
 
 def test_golden_a100x8_two_nodes():
     cfg = _a100_two_nodes()
-    script = render_script(cfg, build_layout(cfg), RUN_DIR, python="/opt/venv/bin/python")
+    script = render_script(cfg, build_layout(cfg), RUN_DIR, python="/opt/venv/bin/python", wrapper=WRAPPER)
     golden = GOLDEN / "a100x8_2nodes.sbatch"
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(script)
@@ -44,7 +46,8 @@ def test_golden_hostile_run_dir_job_name_and_env():
     cfg.launcher.job_name = HOSTILE_JOB_NAME
     cfg.cluster.env["WEIRD"] = "a 'b' \"c\" $(touch x); `y`"
     validate(cfg)  # accepted: none of it is a control character, a backslash or a %
-    script = render_script(cfg, build_layout(cfg), HOSTILE_RUN_DIR, python="/opt/venv/bin/python")
+    script = render_script(cfg, build_layout(cfg), HOSTILE_RUN_DIR, python="/opt/venv/bin/python",
+                           wrapper=WRAPPER)
     golden = GOLDEN / "a100x8_2nodes_hostile.sbatch"
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(script)
@@ -70,7 +73,7 @@ def test_dry_run_script_equals_submitits(tmp_path):
 
     cfg = _a100_two_nodes()
     layout = build_layout(cfg)
-    executor = submitit.SlurmExecutor(folder=tmp_path / "slurm")
+    executor = submitit.SlurmExecutor(folder=tmp_path / "slurm", python=submitit_adapter.task_python())
     executor.update_parameters(**slurm_parameters(cfg, layout))
     theirs = executor._make_submission_file_text(executor._submitit_command_str, "uid")
     assert render_script(cfg, layout, tmp_path) == theirs

@@ -36,10 +36,3 @@ def test_a_bad_shard_is_refused():
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--shard=3/2"], cwd=REPO,
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "--shard=3/2: expected K/N" in proc.stderr + proc.stdout
-
-
-def test_the_two_runs_without_slurm_split_the_rest_exactly():
-    every = _collect("-m", "not slurm")
-    parts = [_collect("-m", "not slurm", f"--shard={k}/2") for k in (1, 2)]
-    assert every and all(parts) and sorted(parts[0] + parts[1]) == every
-    assert not {t.split("::")[0] for t in parts[0]} & {t.split("::")[0] for t in parts[1]}

@@ -21,12 +21,16 @@ path (submitit's Checkpointable is not used).
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Callable, Optional
 
 from slurm import query
 from slurm.env import slurm_job_id
+
+# Set by slurm/task_wrapper.sh: a file that exists when USR2 came before the handler.
+USR2_MARK_ENV = "STO_USR2_MARK"
 
 # A signal that arrives when less than signal_delay + this margin remains is a timeout.
 TIMEOUT_MARGIN_S = 60
@@ -45,7 +49,19 @@ class PreemptionFlag:
     def install(self) -> "PreemptionFlag":
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, self._handler)
+        self.take_early_signal()
         return self
+
+    def take_early_signal(self) -> None:
+        """A USR2 that came while Python was starting, before any handler: the task
+        wrapper (slurm/task_wrapper.sh) started Python with USR2 ignored and left a mark."""
+        mark = os.environ.get(USR2_MARK_ENV)
+        if mark and os.path.exists(mark):
+            try:
+                os.unlink(mark)
+            except OSError:
+                pass
+            self._handler(signal.SIGUSR2, None)
 
     def _handler(self, signum, frame) -> None:
         if self.signum is None:
