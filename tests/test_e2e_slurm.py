@@ -63,7 +63,8 @@ def test_every_strategy_runs_on_two_nodes(tmp_path, slurm_cluster):
     jobs = [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("submitted job")]
     run_dirs = [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("run_dir: ")]
     assert len(jobs) == len(run_dirs) == len(strategies), proc.stdout
-    states = wait_terminal(jobs, slurm_cluster, timeout=600)
+    # 12 jobs, two at a time on the pair: ~3 min alone, 12 min in a loaded suite run here
+    states = wait_terminal(jobs, slurm_cluster, timeout=1500)
     for job, run_dir in zip(jobs, run_dirs):
         info = read_run_json(run_dir)
         where = f"{info.get('strategy')} ({run_dir}): {info.get('error')}"

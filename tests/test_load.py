@@ -7,7 +7,7 @@ import csv
 
 import pytest
 
-from conftest import launcher
+from conftest import REPO, launcher
 from test_sweep_slurm import module, sacct_states, sweep_dir_of
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -16,11 +16,11 @@ POINTS = 100
 
 def test_hundred_point_sweep_none_lost(tmp_path, slurm_cluster):
     env = slurm_cluster
-    # trivial jobs: one task, one step of the tiny model on a few thousand tokens
-    proc = launcher(["+cluster=localslurm", "cluster.nodes=1", "cluster.gpus_per_node=1", "train.steps=1",
-                     "train.seq_len=16", "train.micro_batch_size=1", "data.num_tokens=5000",
-                     f"data.cache_dir={tmp_path}/data", f"train.seed=range({POINTS})", "-m"],
-                    cwd=tmp_path, env=env, timeout=300)
+    # trivial jobs: one task of a user's script that logs one step and imports no torch (the
+    # built-in trainer's import of torch cost ~3 s of CPU a job, 5 CPU-minutes a sweep)
+    proc = launcher(["+cluster=localslurm", "cluster.nodes=1", "cluster.gpus_per_node=1",
+                     f"entrypoint={REPO / 'tests' / 'fixtures' / 'one_step.py'}", f"+user.point=range({POINTS})",
+                     "-m"], cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sweep = sweep_dir_of(proc)
     submitted = [line for line in proc.stdout.splitlines() if line.startswith("submitted job")]

@@ -191,8 +191,14 @@ def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:
         session._bind(None)
     flag.hook = None
     if te.rank == 0:
-        if state.stop or state.requeue:
-            after_interruption(cfg, run_dir, task.info, log, flag)
-        else:
-            update_run_json(run_dir, status=Status.COMPLETED, ended_at=time.time())
+        _record_end(task, state.stop or state.requeue, flag)
     return 0
+
+
+def _record_end(task: _Task, interrupted: bool, flag: PreemptionFlag) -> None:
+    """Rank 0, the code returned: completed, or (it stopped at a signal / asked for a
+    requeue) a counted interruption and its requeue."""
+    if interrupted:
+        after_interruption(task.cfg, task.run_dir, task.info, task.log, flag)
+    else:
+        update_run_json(task.run_dir, status=Status.COMPLETED, ended_at=time.time())
