@@ -16,11 +16,11 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from launcher.provenance import git
 from spec.config import ConfigError, RunConfig
 from spec.rundir import ENTRYPOINT
 from spec.user_env import ACCELERATE_DS_CONFIG, accelerate_ds_config
@@ -28,9 +28,11 @@ from spec.user_env import ACCELERATE_DS_CONFIG, accelerate_ds_config
 _FUNCTION = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*):([A-Za-z_][A-Za-z0-9_]*)$")
 
 
-def resolve(cfg: RunConfig, cwd: Optional[Path] = None) -> Optional[Dict[str, Any]]:
+def resolve(cfg: RunConfig, cwd: Optional[Path] = None,
+            cache: Optional[Dict[str, Dict[str, Any]]] = None) -> Optional[Dict[str, Any]]:
     """The entry point of ``cfg`` as entrypoint.json records it (None: the built-in
-    trainer). A script's path becomes absolute in ``cfg``. Raises ConfigError."""
+    trainer). A script's path becomes absolute in ``cfg``. Raises ConfigError.
+    ``cache``: the files' code state already asked during this launch."""
     if not cfg.entrypoint:
         if cfg.entrypoint_args:
             raise ConfigError(f"entrypoint_args={list(cfg.entrypoint_args)} without an entrypoint; set "
@@ -43,13 +45,13 @@ def resolve(cfg: RunConfig, cwd: Optional[Path] = None) -> Optional[Dict[str, An
             raise ConfigError(f"entrypoint_args={list(cfg.entrypoint_args)}: a function entry point "
                               f"({cfg.entrypoint}) gets the config, not arguments; put its settings under "
                               "+user.NAME=VALUE")
-        return _function(cfg.entrypoint, match.group(1), match.group(2), cwd)
-    info = _script(cfg.entrypoint, cwd)
+        return _function(cfg.entrypoint, match.group(1), match.group(2), cwd, cache)
+    info = _script(cfg.entrypoint, cwd, cache)
     cfg.entrypoint = info["path"]
     return info
 
 
-def _script(text: str, cwd: Path) -> Dict[str, Any]:
+def _script(text: str, cwd: Path, cache: Optional[Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
     path = (cwd / Path(text).expanduser()).resolve()
     if path.is_dir():
         raise ConfigError(f"entrypoint={text} is a directory; give the script in it, e.g. "
@@ -58,7 +60,7 @@ def _script(text: str, cwd: Path) -> Dict[str, Any]:
         hint = " (or package.module:function for a function)" if ":" in text else ""
         raise ConfigError(f"entrypoint={text}: no such file ({path}); give the path of your training "
                           f"script{hint}")
-    return {"kind": "script", "path": str(path), "sys_path": str(path.parent), **_code(path)}
+    return {"kind": "script", "path": str(path), "sys_path": str(path.parent), **_code(path, cache)}
 
 
 def _find_module(module: str, cwd: Path) -> Optional[Path]:
@@ -75,7 +77,8 @@ def _find_module(module: str, cwd: Path) -> Optional[Path]:
     return None
 
 
-def _function(text: str, module: str, name: str, cwd: Path) -> Dict[str, Any]:
+def _function(text: str, module: str, name: str, cwd: Path,
+              cache: Optional[Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
     source = _find_module(module, cwd)
     if source is None:
         raise ConfigError(f"entrypoint={text}: no module {module} in the launch directory ({cwd}) or on "
@@ -98,24 +101,21 @@ def _function(text: str, module: str, name: str, cwd: Path) -> Dict[str, Any]:
                               f"(`def {name}(cfg):`), not ({ast.unparse(args)}); change its signature")
     root = source.parents[len(module.split(".")) - (1 if source.name != "__init__.py" else 0)]
     return {"kind": "function", "module": module, "function": name, "path": str(source.resolve()),
-            "sys_path": str(root.resolve()), **_code(source)}
+            "sys_path": str(root.resolve()), **_code(source, cache)}
 
 
-def _git(cwd: Path, *args: str) -> str:
-    try:
-        proc = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=cwd)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return proc.stdout if proc.returncode == 0 else ""
-
-
-def _code(path: Path) -> Dict[str, Any]:
-    """sha256 of the file, and the commit and diff of the git repository holding it."""
+def _code(path: Path, cache: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """sha256 of the file, and the commit and diff of the git repository holding it. A
+    launch asks once per file (``cache``: its session's), not once per sweep point."""
+    if cache is not None and str(path) in cache:
+        return cache[str(path)]
     info: Dict[str, Any] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-    top = _git(path.parent, "rev-parse", "--show-toplevel").strip()
+    top = git("rev-parse", "--show-toplevel", cwd=path.parent).strip()
     if top:
-        info.update(git_root=top, git_commit=_git(path.parent, "rev-parse", "HEAD").strip() or None,
-                    git_diff=_git(Path(top), "diff", "HEAD") or None)
+        info.update(git_root=top, git_commit=git("rev-parse", "HEAD", cwd=path.parent).strip() or None,
+                    git_diff=git("diff", "HEAD", cwd=Path(top)) or None)
+    if cache is not None:
+        cache[str(path)] = info
     return info
 
 

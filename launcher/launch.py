@@ -42,6 +42,7 @@ class Session:
     # two sections, and the YAML emitter (pure Python) is the slow part of writing a config.
     yaml_sections: Dict[Tuple[str, str], str] = field(default_factory=dict)
     code: Optional[CodeState] = None  # git commit, diff, versions: asked once per launch
+    entry_code: Dict[str, dict] = field(default_factory=dict)  # a user's entry file -> its sha256 and git state
     probe: submit.SlurmProbe = field(default_factory=submit.SlurmProbe)  # Slurm's answers, once per launch
 
     def code_state(self) -> CodeState:
@@ -127,7 +128,7 @@ def checked(session: Session, config, run_dir: Path, label: str, overrides: List
     ``config``: Hydra's DictConfig, or the RunConfig already made from it."""
     try:
         cfg = config if isinstance(config, RunConfig) else run_config(config)
-        entry = entrypoint.resolve(cfg)
+        entry = entrypoint.resolve(cfg, cache=session.entry_code)
         layout, slurm_conf = check(cfg, session.probe)
     except ConfigError as exc:
         return refuse(session, str(exc), run_dir, label, overrides, record=not config.launcher.dry_run)

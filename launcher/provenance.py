@@ -63,10 +63,11 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("sto_sweep_dir", resolve_sweep_dir, replace=True)
 
 
-def _git(*args: str) -> str:
+def git(*args: str, cwd: Optional[Path] = None) -> str:
+    """``git ARGS`` in ``cwd`` (default: this checkout); its output, or "" when git fails."""
     try:
         proc = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent.parent)
+                              cwd=cwd or Path(__file__).resolve().parent.parent)
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return proc.stdout if proc.returncode == 0 else ""
@@ -79,8 +80,8 @@ def code_state() -> CodeState:
     """git commit, diff and package versions. A launch asks once (its session keeps the
     answer): every point of a sweep runs the same checkout (two git calls per point were
     ~26 ms of a sweep's time)."""
-    commit = _git("rev-parse", "HEAD").strip() or "unknown"
-    diff = _git("diff", "HEAD")
+    commit = git("rev-parse", "HEAD").strip() or "unknown"
+    diff = git("diff", "HEAD")
     versions = []
     try:
         from importlib.metadata import version
