@@ -27,15 +27,20 @@ def trainer(task: Task) -> Status:
     return train(task, ckpt)
 
 
+def is_user_run(run_dir: str | Path) -> bool:
+    """The run executes a user's script or function (entrypoint.json: launcher/entrypoint.py)."""
+    return (Path(run_dir) / ENTRYPOINT).is_file()
+
+
 def warm_imports(run_dir: str) -> None:
     """What every rank of the built-in trainer imports anyway: run once by rank 0 before it
     forks the other local ranks (:mod:`train.harness.forked`)."""
     from spec.config import to_run_config
     from spec.rundir import CONFIG
 
-    cfg = to_run_config(Path(run_dir) / CONFIG)
-    if cfg.entrypoint:
+    if is_user_run(run_dir):
         return  # a user's code: it imports what it imports, after the fork
+    cfg = to_run_config(Path(run_dir) / CONFIG)
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (the optimizer's constructor imports it)
     import torch.distributed.checkpoint  # noqa: F401  (saves and resumes)
@@ -58,7 +63,7 @@ def run(run_dir: str | Path, flag: PreemptionFlag | None = None) -> int:
     outcome in run.json. Returns 0, or a user's script's exit status."""
     if flag is None:
         flag = PreemptionFlag().install()  # before torch: see train.harness.job
-    if (Path(run_dir) / ENTRYPOINT).is_file():  # a user's script or function (launcher/entrypoint.py)
+    if is_user_run(run_dir):
         from train.harness.user import run_user
 
         return run_user(run_dir, flag)
