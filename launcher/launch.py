@@ -24,6 +24,7 @@ from launcher.provenance import CodeState, code_state, write_provenance
 from launcher.track import registry
 from launcher.track.summary import summary_lines
 from spec.config import ConfigError, RunConfig
+from spec.hf import apply_hf_model
 from spec.layout import Layout
 from spec.rundir import CONFIG, SBATCH, Status, read_run_json, status_of, update_run_json
 
@@ -128,6 +129,7 @@ def checked(session: Session, config, run_dir: Path, label: str, overrides: List
     ``config``: Hydra's DictConfig, or the RunConfig already made from it."""
     try:
         cfg = config if isinstance(config, RunConfig) else run_config(config)
+        apply_hf_model(cfg, overrides)
         entry = entrypoint.resolve(cfg, cache=session.entry_code)
         layout, slurm_conf = check(cfg, session.probe)
     except ConfigError as exc:

@@ -86,6 +86,17 @@ class ClusterConfig:
 
 
 @dataclass
+class RopeScaling:
+    """Llama 3.1's scaling of the rotary frequencies (null type = none)."""
+
+    type: Optional[str] = None  # "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass
 class ModelConfig:
     """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
 
@@ -104,6 +115,15 @@ class ModelConfig:
     max_seq_len: int = 256
     # Share the token embedding with the output head (GPT-2 does, Llama does not).
     tie_embeddings: bool = False
+    # SwiGLU hidden size given outright (Hugging Face's intermediate_size); null = from
+    # ffn_dim_multiplier and multiple_of as above.
+    ffn_hidden_dim: Optional[int] = None
+    # Llama 3's RoPE frequency scaling (Hugging Face's rope_scaling, rope_type "llama3").
+    rope_scaling: RopeScaling = field(default_factory=lambda: RopeScaling())
+    # A Hugging Face Llama directory (config.json + safetensors): the dimensions above are
+    # read from its config.json at launch and the weights replace the random init
+    # (README "Start from Hugging Face weights"). Nothing is downloaded.
+    hf_path: Optional[str] = None
 
 
 @dataclass
@@ -209,6 +229,8 @@ class CheckpointConfig:
     # Periodic saves write in the background (torch engines; the loop stalls only to copy
     # the state to memory). Saves on preemption are always synchronous.
     async_save: bool = False
+    # Also save after the last step (what `python -m launcher.export` then exports).
+    save_final: bool = False
 
 
 @dataclass

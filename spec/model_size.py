@@ -12,7 +12,10 @@ from spec.config import ModelConfig
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
-    """Llama's SwiGLU width: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
+    """Llama's SwiGLU width: ``ffn_hidden_dim`` when given (a Hugging Face config's
+    intermediate_size), else 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
+    if cfg.ffn_hidden_dim:
+        return cfg.ffn_hidden_dim
     hidden = int(2 * (4 * cfg.dim) / 3)
     hidden = int(cfg.ffn_dim_multiplier * hidden)
     return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of)

@@ -170,7 +170,9 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
             log(f"step {step + 1}/{cfg.train.steps} loss {agreed.loss:.4f} tokens/s "
                 f"{meter.tokens_per_step / dt:.0f} step {dt * 1000:.1f} ms")
         every = cfg.checkpoint.every_steps
-        if agreed.preempted or agreed.save_due or (every and (step + 1) % every == 0 and step + 1 < cfg.train.steps):
+        last = step + 1 == cfg.train.steps
+        if (agreed.preempted or agreed.save_due or (every and (step + 1) % every == 0 and not last)
+                or (last and cfg.checkpoint.save_final)):
             _save(task, ckpt, engine, loader, step, agreed.preempted)
             last_save = time.monotonic()
             if agreed.preempted:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from spec.config import ModelConfig
+from spec.config import ModelConfig, RopeScaling
 # Pure size arithmetic lives in spec/model_size.py so the torch-free planner shares it.
 from spec.model_size import count_params, ffn_hidden_dim  # noqa: F401  (re-exported)
 
@@ -35,21 +35,39 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device) -> torch.Tensor:
-    """cos/sin of the rotary angles, shape (seq_len, head_dim // 2, 2)."""
+def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device,
+                scaling: Optional[RopeScaling] = None) -> torch.Tensor:
+    """cos/sin of the rotary angles, shape (seq_len, head_dim // 2, 2); with Llama 3's
+    frequency scaling when ``scaling.type == "llama3"`` (as Hugging Face computes it)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None and scaling.type == "llama3":
+        freqs = _llama3_scaled(freqs, scaling)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
+def _llama3_scaled(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Long wavelengths slowed by ``factor``, short ones kept, the band between blended."""
+    low_wavelen = s.original_max_seq_len / s.low_freq_factor
+    high_wavelen = s.original_max_seq_len / s.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > low_wavelen, freqs / s.factor, freqs)
+    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position."""
+    """Rotate channel i with channel i + head_dim/2 of x (batch, seq, heads, head_dim) by
+    position: Hugging Face's layout (``rotate_half``), so its q/k weights load as they are,
+    with no permutation (Meta's checkpoints pair neighbouring channels instead)."""
     seq = x.shape[1]
-    xf = x.float().reshape(*x.shape[:-1], -1, 2)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
     cos = table[:seq, None, :, 0]
     sin = table[:seq, None, :, 1]
-    out = torch.stack((xf[..., 0] * cos - xf[..., 1] * sin, xf[..., 0] * sin + xf[..., 1] * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
 class Attention(nn.Module):
@@ -151,7 +169,12 @@ class Transformer(nn.Module):
             self.norm.reset_parameters()
         if self.output is not None and not cfg.tie_embeddings:
             normal_("output.weight", self.output.weight, cfg.dim ** -0.5)
-        self.rope = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device)
+        self.init_buffers(device)
+
+    def init_buffers(self, device: torch.device) -> None:
+        """The rotary tables (not a parameter: computed, never loaded)."""
+        cfg = self.cfg
+        self.rope = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids -> logits; a pipeline stage without the embedding takes (and one
@@ -168,10 +191,29 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Transf
         return Transformer(cfg)
 
 
-def materialise(parts: Iterable[nn.Module], seed: int, device: torch.device) -> None:
-    """Allocate the (sharded) meta model parts on ``device`` and fill them with their
-    initial weights: the trainer's one materialisation, between a builder's ``wrap`` and
-    ``finish`` (train/strategies/base.py). A DDP or DeepSpeed wrapper does not exist yet."""
+def materialise(parts: Iterable[nn.Module], seed: int, device: torch.device, hf_path: Optional[str] = None) -> None:
+    """Allocate the (sharded) meta model parts on ``device`` and fill them: with their
+    initial weights, or with a Hugging Face checkpoint's (``hf_path``: each rank reads
+    only its slices, :func:`train.hf_io.load_hf`). The trainer's one materialisation,
+    between a builder's ``wrap`` and ``finish`` (train/strategies/base.py). A DDP or
+    DeepSpeed wrapper does not exist yet."""
+    parts = list(parts)
     for part in parts:
         part.to_empty(device=device)
-        part.init_weights(seed, device)
+        _retie(part)
+        if hf_path:
+            part.init_buffers(device)
+        else:
+            part.init_weights(seed, device)
+    if hf_path:
+        from train.hf_io import load_hf
+
+        load_hf(parts, hf_path, tied=parts[0].cfg.tie_embeddings)
+
+
+def _retie(part: nn.Module) -> None:
+    """``to_empty`` gives each module its own new tensor, so a head tied to the embedding
+    would come back as uninitialised memory of its own: share the embedding's again."""
+    if part.cfg.tie_embeddings and part.tok_embeddings is not None and part.output is not None:
+        if part.output.weight is not part.tok_embeddings.weight:
+            part.output.weight = part.tok_embeddings.weight

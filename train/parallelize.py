@@ -4,7 +4,8 @@
 2. activation checkpointing (wraps each block; must see TP's modules, not FSDP's),
 3. torch.compile per block (compiles the checkpointed, TP-sharded block),
 4. the builder's ``wrap``: FSDP shards the meta model (DDP and DeepSpeed wait),
-5. materialise and initialise every model part once (:func:`train.model.materialise`),
+5. materialise and initialise every model part once, or load a Hugging Face checkpoint
+   into it (:func:`train.model.materialise`),
 6. the builder's ``finish``: DDP / ``deepspeed.initialize``, optimizers, the engine.
 
 With pipeline parallel the model is first split into stages and every stage goes
@@ -64,5 +65,5 @@ def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistCon
             apply_compile(part)
 
     parts = builder.wrap(model, prepare)
-    materialise(parts, cfg.train.seed, ctx.device)
+    materialise(parts, cfg.train.seed, ctx.device, cfg.model.hf_path)
     return builder.finish(parts)

@@ -1,0 +1,179 @@
+"""Hugging Face Llama weights in (any strategy) and out (any checkpoint), without ever
+holding the whole model on one rank or in the exporting process.
+
+In: :func:`load_hf` fills the model parts a builder made (plain tensors, FSDP/TP
+DTensors, pipeline stages) from the safetensors files through DCP's Hugging Face storage
+reader: each rank reads only the slices it holds (``safe_open(...).get_slice``), in the
+checkpoint's dtype, copied into ours.
+
+Out: :func:`export` writes a run's newest committed checkpoint as a Hugging Face directory,
+one safetensors shard (at most ``max_shard_bytes``) in memory at a time: DCP checkpoints
+are read key by key (DCP assembles each tensor from every rank's shards); DeepSpeed's
+through its own ``zero_to_fp32`` reader in lazy mode (ZeRO-1/2/3 partitions merged per
+tensor as it is asked for).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from spec.config import ModelConfig
+from spec.hf import CONFIG, INDEX, hf_config, hf_name
+
+# Wrappers whose names DeepSpeed's parameter names keep (DCP's get_state_dict drops them).
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+GENERATION = "generation_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _clean(name: str) -> str:
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def _source_name(ours: str, tied: bool) -> str:
+    """The Hugging Face tensor that fills our parameter ``ours`` (a tied head reads the embedding)."""
+    if tied and ours == "output.weight":
+        return hf_name("tok_embeddings.weight")
+    return hf_name(ours)
+
+
+@contextlib.contextmanager
+def _single_process():
+    """DCP's ``no_dist`` load, without its warning that no process group is in use (intended)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def load_hf(parts: Iterable[nn.Module], path: str, tied: bool) -> int:
+    """Copy the checkpoint at ``path`` into every parameter of ``parts``; returns the number
+    of tensors read. No collective: each rank reads its own slices (``no_dist``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+
+    count = 0
+    for part in parts:
+        ours = get_model_state_dict(part)
+        if tied and "tok_embeddings.weight" in ours:
+            ours.pop("output.weight", None)  # the same Parameter: filled through the embedding
+        theirs = {_source_name(name, tied): tensor for name, tensor in ours.items()}
+        with _single_process():
+            dcp.load(theirs, storage_reader=dcp.HuggingFaceStorageReader(path), no_dist=True)
+        loaded = {name: theirs[_source_name(name, tied)] for name in ours}
+        set_model_state_dict(part, loaded, options=StateDictOptions(strict=False))
+        count += len(loaded)
+    return count
+
+
+# ---- export -------------------------------------------------------------------------
+
+Reader = Callable[[List[str]], Dict[str, torch.Tensor]]
+_PREFIX = "app.model."  # the model's keys in our DCP checkpoints ({"app": AppState} -> "model")
+
+
+def dcp_source(ckpt: Path) -> Tuple[Dict[str, Tuple[Tuple[int, ...], torch.dtype]], Reader]:
+    """(our name -> (shape, dtype), read(names) -> full tensors) of a DCP checkpoint's model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    root = str(ckpt / "dcp")
+    md = dcp.FileSystemReader(root).read_metadata()
+    keys = {k[len(_PREFIX):]: k for k, v in md.state_dict_metadata.items()
+            if k.startswith(_PREFIX) and isinstance(v, TensorStorageMetadata)}
+    shapes = {name: (tuple(md.state_dict_metadata[k].size), md.state_dict_metadata[k].properties.dtype)
+              for name, k in keys.items()}
+
+    def read(names: List[str]) -> Dict[str, torch.Tensor]:
+        want = {keys[n]: torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in names}
+        with _single_process():
+            dcp.load(want, storage_reader=dcp.FileSystemReader(root), no_dist=True)
+        return {n: want[keys[n]] for n in names}
+    return shapes, read
+
+
+def deepspeed_source(ckpt: Path) -> Tuple[Dict[str, Tuple[Tuple[int, ...], torch.dtype]], Reader]:
+    """The same for DeepSpeed's files: fp32 weights merged from the ZeRO partitions lazily."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    lazy = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="state", lazy_mode=True)
+    by_name = {_clean(k): v for k, v in lazy.items()}
+    shapes = {name: (tuple(v.shape), torch.float32) for name, v in by_name.items()}
+
+    def read(names: List[str]) -> Dict[str, torch.Tensor]:
+        return {n: by_name[n].contiguous() for n in names}
+    return shapes, read
+
+
+def _shards(names: List[str], sizes: Dict[str, int], limit: int) -> List[List[str]]:
+    shards: List[List[str]] = [[]]
+    used = 0
+    for name in names:
+        if shards[-1] and used + sizes[name] > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += sizes[name]
+    return shards
+
+
+def export(ckpt: Path, model: ModelConfig, out: Path, dtype: torch.dtype = torch.float32,
+           max_shard_bytes: int = 5 * 10**9, tokenizer: Optional[Path] = None,
+           eos_token_id: Optional[int] = None, bos_token_id: Optional[int] = None) -> List[Path]:
+    """Write ``ckpt`` (a committed step directory) as a Hugging Face model under ``out``."""
+    from safetensors.torch import save_file
+
+    native = (ckpt / "deepspeed").is_dir()
+    shapes, read = deepspeed_source(ckpt) if native else dcp_source(ckpt)
+    names = [n for n in shapes if not (model.tie_embeddings and n == "output.weight")]
+    missing = sorted(set(hf_to_ours(model)) - set(names))
+    if missing:
+        raise ValueError(f"checkpoint {ckpt} lacks {missing[0]} (and {len(missing) - 1} more) of model {model.name}")
+    names = [n for n in hf_to_ours(model)]  # Hugging Face's order: embeddings, layers, norm, head
+    item = torch.empty((), dtype=dtype).element_size()
+    sizes = {n: item * int(torch.Size(shapes[n][0]).numel()) for n in names}
+    shards = _shards(names, sizes, max_shard_bytes)
+    out.mkdir(parents=True, exist_ok=True)
+    files, weight_map = [], {}
+    for i, group in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {hf_name(n): t.to(dtype).contiguous() for n, t in read(group).items()}
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in tensors})
+        files.append(out / fname)
+        del tensors
+    if len(shards) > 1:
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(sizes.values())},
+                                             "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    dtype_name = str(dtype).replace("torch.", "")
+    (out / CONFIG).write_text(json.dumps(hf_config(model, dtype_name, eos_token_id, bos_token_id), indent=2))
+    (out / GENERATION).write_text(json.dumps({"_from_model_config": True, "bos_token_id": bos_token_id,
+                                              "eos_token_id": eos_token_id}, indent=2))
+    if tokenizer is not None:
+        src = Path(tokenizer)
+        for f in ([src] if src.is_file() else [src / n for n in TOKENIZER_FILES]):
+            if f.is_file():
+                shutil.copy2(f, out / ("tokenizer.json" if src.is_file() else f.name))
+    return files
+
+
+def hf_to_ours(model: ModelConfig) -> List[str]:
+    """Our parameter names in the order Hugging Face lists its tensors."""
+    names = ["tok_embeddings.weight"]
+    for i in range(model.n_layers):
+        names += [f"layers.{i}.{k}.weight" for k in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                                                       "feed_forward.w1", "feed_forward.w3", "feed_forward.w2",
+                                                       "attention_norm", "ffn_norm")]
+    names.append("norm.weight")
+    if not model.tie_embeddings:
+        names.append("output.weight")
+    return names
