@@ -15,6 +15,7 @@ from launcher.plan.cli import check_fits
 from slurm import query
 from slurm.states import is_job_id
 from spec.config import ConfigError, RunConfig
+from spec.data import check_data
 from spec.layout import Layout, build_layout
 from spec.rundir import Status, read_run_json, status_of
 from spec.support import check_supported
@@ -34,6 +35,7 @@ def check(cfg: RunConfig, probe: Optional[submit.SlurmProbe] = None) -> Tuple[La
     if cfg.entrypoint:
         check_user_layout(cfg, layout)
     else:  # the planner knows the built-in model only
+        check_data(cfg)
         check_fits(cfg, layout)  # refuse what is predicted not to fit (launcher.allow_oom=true overrides)
     slurm_conf = None
     if cfg.cluster.backend == "slurm" and not cfg.launcher.dry_run:

@@ -11,6 +11,7 @@ passes down; nothing here keeps state between calls.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from dataclasses import dataclass, field
@@ -116,6 +117,8 @@ def refuse(session: Session, reason: str, run_dir: Path, label: str, overrides: 
     """A config that failed a check: a sweep skips the point with its reason, a single run exits 2."""
     if not session.multirun:
         print(f"error: {reason}", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()  # the empty directory Hydra made for the run: a refusal leaves nothing
         return 2
     print(f"skipped point {label}: {reason}", file=sys.stderr)
     session.skipped.append(label)

@@ -13,6 +13,7 @@ The schema's own defaults are the embedded default run: cluster ``local``, model
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -166,7 +167,8 @@ class StrategyConfig:
 class DataConfig:
     # "markov": a seeded synthetic token stream generated on first use (learnable, so the
     # loss falls); "file": a flat binary file of token ids at `path` (uint16 when
-    # model.vocab_size <= 65536, else uint32), e.g. written by numpy's tofile().
+    # model.vocab_size <= 65536, else uint32), e.g. written by numpy's tofile();
+    # "tokens": the directory `python -m train.data.prepare` wrote (train/val split).
     source: str = "markov"
     path: Optional[str] = None
     # Tokens generated for the markov source.
@@ -201,6 +203,10 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     log_every: int = 1
+    # Validation loss (and perplexity) every N optimizer steps and after the last; 0 = off.
+    eval_every: int = 0
+    # Global batches of the validation split per evaluation (the same ones every time).
+    eval_batches: int = 2
     # Python's automatic garbage collection is off during training and a young-generation
     # collection runs every this many steps (as torchtitan's training.gc_freq): the
     # automatic one stops the step at random times to scan every object. 0 = leave it on.
@@ -297,6 +303,17 @@ class RunConfig:
 
 
 GROUPS = ("cluster", "model", "strategy")
+
+def read_json_in(directory: Path, name: str, field: str, fix: str) -> Dict[str, Any]:
+    """``directory/name`` as JSON, or a ConfigError naming ``field`` and the ``fix``."""
+    f = Path(directory) / name
+    if not f.is_file():
+        raise ConfigError(f"{field}={directory}: no {name} there; {fix}")
+    try:
+        return json.loads(f.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"{field}={directory}: {name} is not JSON ({exc}); {fix}") from None
+
 
 def to_run_config(cfg: Any) -> RunConfig:
     """DictConfig (or mapping / YAML path) -> RunConfig dataclass, type-checked by OmegaConf."""

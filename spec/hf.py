@@ -21,7 +21,7 @@ import struct
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from spec.config import ConfigError, ModelConfig, RopeScaling, RunConfig
+from spec.config import ConfigError, ModelConfig, RopeScaling, RunConfig, read_json_in
 from spec.model_size import ffn_hidden_dim
 
 CONFIG = "config.json"
@@ -82,14 +82,8 @@ def expected_shapes(m: ModelConfig) -> Dict[str, Tuple[int, ...]]:
 
 
 def read_config(path: Path) -> Dict[str, Any]:
-    f = Path(path) / CONFIG
-    if not f.is_file():
-        raise ConfigError(f"model.hf_path={path}: no {CONFIG} there; point it at a Hugging Face model "
-                          "directory (config.json + *.safetensors)")
-    try:
-        return json.loads(f.read_text())
-    except ValueError as exc:
-        raise ConfigError(f"model.hf_path={path}: {CONFIG} is not JSON ({exc})") from None
+    return read_json_in(Path(path), CONFIG, "model.hf_path",
+                        "point it at a Hugging Face model directory (config.json + *.safetensors)")
 
 
 def model_fields(hf: Dict[str, Any], path: Any = "?") -> Dict[str, Any]:

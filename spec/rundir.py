@@ -91,6 +91,8 @@ class MetricsRow(MappingABC):
     time: Optional[float] = None
     compute_time_s: Optional[float] = None
     comm_time_s: Optional[float] = None
+    val_loss: Optional[float] = None  # train.eval_every: loss on the held-out split after this step
+    val_ppl: Optional[float] = None   # exp(val_loss)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     _ALWAYS = ("mfu",)  # written even when None (readers tell "no peak" from "not measured")

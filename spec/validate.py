@@ -19,7 +19,7 @@ _CHOICES = {
     "strategy.mixed_precision": ("auto", "fp32", "bf16"),
     "strategy.activation_checkpointing": ("none", "selective", "full"),
     "strategy.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
-    "data.source": ("markov", "file"),
+    "data.source": ("markov", "file", "tokens"),
 }
 
 _POSITIVE = (

@@ -27,12 +27,12 @@ def test_a_trainer_row_is_written_as_it_always_was(tmp_path):
 
 
 def test_unknown_fields_are_kept_and_unset_ones_are_not_written(tmp_path):
-    append_metrics(tmp_path, MetricsRow.from_dict({"step": 1, "loss": 2.0, "val_ppl": 7.5}))
+    append_metrics(tmp_path, MetricsRow.from_dict({"step": 1, "loss": 2.0, "bleu": 7.5}))
     written = json.loads((tmp_path / METRICS).read_text())
-    assert written == {"step": 1, "loss": 2.0, "mfu": None, "val_ppl": 7.5}
+    assert written == {"step": 1, "loss": 2.0, "mfu": None, "bleu": 7.5}
     row = read_metrics(tmp_path)[0]
-    assert row.loss == 2.0 and row["val_ppl"] == 7.5 and row.get("tokens_per_s") is None and row.extra == {
-        "val_ppl": 7.5}
+    assert row.loss == 2.0 and row["bleu"] == 7.5 and row.get("tokens_per_s") is None and row.extra == {
+        "bleu": 7.5}
 
 
 def test_torn_and_stepless_lines_are_skipped(tmp_path):

@@ -14,7 +14,8 @@ from spec.config import RunConfig
 from spec.model_size import flops_per_token
 from spec.rundir import MetricsRow, Status
 from train.checkpoint import Checkpointer
-from train.data import ShardedLoader, token_file
+from train.evaluate import Evaluator, perplexity
+from train.data import ShardedLoader, file_dtype, token_file
 from train.harness import faults
 from train.harness.run import Task
 from train.harness.watchdog import COLLECTIVE
@@ -47,7 +48,8 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
     torch.manual_seed(cfg.train.seed)
     path = token_file(cfg.data, cfg.model.vocab_size)  # rank 0..N race safely on a file lock
     loader = ShardedLoader(path, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.micro_batch_size,
-                           cfg.train.grad_accum, layout.dp_rank(ctx.rank), layout.dp, seed=cfg.data.seed)
+                           cfg.train.grad_accum, layout.dp_rank(ctx.rank), layout.dp, seed=cfg.data.seed,
+                           dtype=file_dtype(cfg.data, cfg.model.vocab_size))
     engine, restored = _build_and_restore(task, ckpt)
     if cfg.checkpoint.async_save:
         ckpt.prepare_async(engine)
@@ -139,8 +141,10 @@ class Meter:
         self.n_gpus = world_size if device_type == "cuda" or cfg.cluster.accelerator == "gpu" else 0
         self.peak = cfg.cluster.peak_tflops_bf16 if self.n_gpus else None
 
-    def row(self, step: int, lr: float, agreed: Agreed, dt: float, segment: int) -> MetricsRow:
+    def row(self, step: int, lr: float, agreed: Agreed, dt: float, segment: int,
+            val: Optional[float] = None) -> MetricsRow:
         return MetricsRow(
+            val_loss=val, val_ppl=None if val is None else perplexity(val),
             step=step + 1, loss=agreed.loss, lr=lr, grad_norm=agreed.grad_norm, step_time_s=dt,
             tokens_per_s=self.tokens_per_step / dt, samples_per_s=self.global_batch / dt,
             peak_mem_bytes=agreed.peak_mem,
@@ -153,6 +157,7 @@ class Meter:
 def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader) -> Status:
     cfg, ctx, log = task.cfg, task.ctx, task.log
     meter = Meter(cfg, ctx.world_size, ctx.device.type, loader.global_batch)
+    evaluator = Evaluator(cfg, task.layout, ctx)
     last_save = time.monotonic()
     task.watchdog.begin(loader.state.step)
     first = loader.state.step
@@ -165,8 +170,9 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         loss, grad_norm = engine.train_step(loader.next_step(), lr)
         agreed = _agree(task, engine, step, loss, grad_norm, _save_due(task, last_save))
         dt = time.perf_counter() - t0
-        if ctx.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
-            task.write_metrics(meter.row(step, lr, agreed, dt, task.segment))
+        val = evaluator.run(engine) if evaluator.due(step + 1) else None
+        if ctx.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps or val is not None):
+            task.write_metrics(meter.row(step, lr, agreed, dt, task.segment, val))
             log(f"step {step + 1}/{cfg.train.steps} loss {agreed.loss:.4f} tokens/s "
                 f"{meter.tokens_per_step / dt:.0f} step {dt * 1000:.1f} ms")
         every = cfg.checkpoint.every_steps

@@ -26,7 +26,7 @@ from launcher.track.status import Point, Sweep, UsageError, collect, console, re
 COLUMNS = ("point", "series", "strategy", "nodes", "gpus", "outcome", "state", "failure_class", "failure_detail",
            "global_batch", "tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "efficiency", "scaling",
            "baseline_point", "peak_mem_gib_per_gpu", "mfu", "step_time_s", "compute_s", "comm_s", "queue_s",
-           "wall_s", "gpu_hours", "requeues", "last_step", "job_id", "run_dir")
+           "wall_s", "gpu_hours", "requeues", "last_step", "job_id", "run_dir", "peak_lr", "val_loss")
 FILES = ("report.md", "report.csv", "scaling.png")
 
 
@@ -59,7 +59,8 @@ def report_rows(sweep: Sweep) -> List[Dict[str, Any]]:
             "point": p.point, "series": label, "strategy": p.strategy, "nodes": p.nodes, "gpus": gpus,
             "outcome": p.outcome, "state": p.state, "failure_class": p.failure,
             "failure_detail": p.detail if p.outcome in ("failed", "skipped") else "",
-            "global_batch": m.get("global_batch_size"), "tokens_per_s": tps, "samples_per_s": m.get("samples_per_s"),
+            "global_batch": m.get("global_batch_size"), "peak_lr": m.get("lr"), "val_loss": m.get("val_loss"),
+            "tokens_per_s": tps, "samples_per_s": m.get("samples_per_s"),
             "tokens_per_s_per_gpu": tps / gpus if tps and gpus else None, "efficiency": None, "scaling": "",
             "baseline_point": "", "peak_mem_gib_per_gpu": peak / 2**30 if peak else None, "mfu": m.get("mfu"),
             "step_time_s": m.get("step_time_s"), "compute_s": m.get("compute_s"), "comm_s": m.get("comm_s"),
@@ -104,6 +105,7 @@ def _fmt(value: Any, spec: str = ",.1f", scale: float = 1.0, suffix: str = "") -
 # (header, key, format spec, scale, suffix) of the human tables (Markdown and terminal).
 SHOWN = (("point", "point", "", 1, ""), ("series", "series", "", 1, ""), ("nodes", "nodes", "", 1, ""),
          ("GPUs", "gpus", "", 1, ""), ("outcome", "outcome", "", 1, ""), ("global batch", "global_batch", "", 1, ""),
+         ("peak lr", "peak_lr", ".2e", 1, ""), ("val loss", "val_loss", ".4f", 1, ""),
          ("tokens/s", "tokens_per_s", ",.0f", 1, ""), ("samples/s", "samples_per_s", ",.1f", 1, ""),
          ("tokens/s/GPU", "tokens_per_s_per_gpu", ",.0f", 1, ""), ("efficiency", "efficiency", ".1f", 100, "%"),
          ("peak mem/GPU", "peak_mem_gib_per_gpu", ".2f", 1, " GiB"), ("MFU", "mfu", ".1f", 100, "%"),

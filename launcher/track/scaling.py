@@ -84,6 +84,8 @@ def point_metrics(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         "global_batch_size": rows[-1].get("global_batch_size"),
         "world_size": rows[-1].get("world_size"),
         "segments": len({r.get("segment", 0) for r in rows}),
+        "val_loss": next((r["val_loss"] for r in reversed(rows) if r.get("val_loss") is not None), None),
+        "lr": rows[0].get("lr") if len(rows) == 1 else max((r.get("lr") or 0) for r in rows) or None,
     }
 
 

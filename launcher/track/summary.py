@@ -25,6 +25,10 @@ def _metric_lines(rows: List[MetricsRow]) -> List[str]:
     if losses:
         text += (f"  loss: {losses[0]['loss']:.4f} (step {losses[0]['step']}) -> {losses[-1]['loss']:.4f} "
                  f"(step {losses[-1]['step']})")
+    vals = [r for r in rows if r.get("val_loss") is not None]
+    if vals:
+        text += (f"  val loss: {vals[0]['val_loss']:.4f} (step {vals[0]['step']}) -> {vals[-1]['val_loss']:.4f} "
+                 f"(step {vals[-1]['step']}, ppl {vals[-1]['val_ppl']:.1f})")
     lines = [text]
     tps, sps, mfu = _mean(ok, "tokens_per_s"), _mean(ok, "samples_per_s"), _mean(ok, "mfu")
     mem = [r["peak_mem_bytes"] for r in rows if r.get("peak_mem_bytes") is not None]

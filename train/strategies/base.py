@@ -73,6 +73,9 @@ class Engine(Protocol):
     def train_step(self, micro_batches: Iterable[Batch], lr: float) -> Tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: (mean loss over this rank's micro-batches, grad norm before clipping)."""
 
+    def eval_loss(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
+        """Mean loss over this rank's micro-batches, forward only (no gradient, no update)."""
+
     def state_dict(self) -> Dict[str, Any]:
         """DCP state: {"model": ..., "optim": ...} (engines without native_checkpoint)."""
 
@@ -187,6 +190,22 @@ class TorchEngine(DCPState):
         set_lr(self.optimizers, lr)
         self.optimizer.step()
         return total, grad_norm
+
+    def eval_loss(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
+        return forward_loss(self.module, micro_batches, self.device, self._autocast)
+
+
+def forward_loss(forward: Callable[[torch.Tensor], torch.Tensor], micro_batches: Iterable[Batch],
+                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
+    """Mean loss of ``forward`` over the micro-batches, without gradients (evaluation)."""
+    batches = list(micro_batches)
+    total = torch.zeros((), device=device)
+    with torch.no_grad():
+        for inputs, targets in batches:
+            with autocast():
+                logits = forward(inputs.to(device, non_blocking=True))
+            total += loss_fn(logits, targets.to(device, non_blocking=True)) / len(batches)
+    return total
 
 
 def set_lr(optimizers: Iterable[Any], lr: float) -> None:

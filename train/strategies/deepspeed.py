@@ -15,6 +15,7 @@ CPU (the trainer materialises it between :meth:`DeepSpeedBuilder.shard` and
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Tuple
@@ -23,7 +24,8 @@ import torch
 from torch import nn
 
 from spec.ds_config import deepspeed_config
-from train.strategies.base import Batch, DeviceMemory, EngineBuilder, build_adamw, loss_fn, set_lr
+from train.strategies.base import (Batch, DeviceMemory, EngineBuilder, build_adamw, forward_loss, loss_fn,
+                                   set_lr)
 
 
 class DeepSpeedEngine(DeviceMemory):
@@ -84,6 +86,10 @@ class DeepSpeedEngine(DeviceMemory):
             value = self.ds.get_global_grad_norm()
             norm = torch.as_tensor(float("nan") if value is None else value, dtype=torch.float32)
         return total, norm.to(self.device)
+
+    def eval_loss(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
+        """Forward through the engine (ZeRO-3 gathers each layer's parameters as it runs)."""
+        return forward_loss(self.ds, micro_batches, self.device, contextlib.nullcontext)
 
 
 class DeepSpeedBuilder(EngineBuilder):

@@ -127,6 +127,22 @@ class PipelineEngine(DCPState):
             opt.step()
         return loss, grad_norm
 
+    def eval_loss(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
+        """The schedule's forward-only pass; the last stage's mean loss, sent to every stage."""
+        batches = list(micro_batches)
+        inputs = torch.cat([x for x, _ in batches]).to(self.device, non_blocking=True)
+        targets = torch.cat([y for _, y in batches]).to(self.device, non_blocking=True)
+        losses: List[torch.Tensor] = []
+        amp = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
+               else contextlib.nullcontext())
+        with torch.no_grad(), amp:
+            self.schedule.eval(*((inputs,) if self.first else ()), target=targets if self.last else None,
+                               losses=losses if self.last else None)
+        loss = (torch.stack([x.detach().float() for x in losses]).mean() if self.last
+                else torch.zeros((), device=self.device))
+        dist.broadcast(loss, src=self._last_rank, group=self.pp_group)
+        return loss
+
     def _clip(self) -> torch.Tensor:
         """Global gradient norm over every stage, then clip (torchtitan's PP clipping)."""
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]

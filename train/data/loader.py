@@ -3,7 +3,10 @@
 The data is a flat array of token ids on disk (numpy memmap). The ``markov`` source
 generates one deterministically (a seeded first-order Markov chain in which every token
 has a few likely successors, so a model can learn it and the loss falls towards
-ln(branching)); ``file`` reads a user's pre-tokenised file. Nothing is downloaded.
+ln(branching)), and a held-out walk of the same chain for validation; ``file`` reads a
+user's pre-tokenised file; ``tokens`` reads the train/val split that
+``python -m train.data.prepare`` wrote (its manifest gives the dtype). Nothing is
+downloaded.
 
 The loader is a pure function of (seed, step): the global batch of optimizer step
 ``s`` is the samples ``s*G .. s*G+G-1`` of a seeded permutation of all windows (G =
@@ -14,14 +17,17 @@ and a 2-rank run and a 1-rank run with the same global batch see identical data.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
 from spec.config import DataConfig
+from spec.data import MANIFEST, TRAIN_BIN, VAL_BIN
 
 
 def _dtype(vocab_size: int) -> np.dtype:
@@ -34,12 +40,17 @@ def _cache_dir(cfg: DataConfig) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "slurm-torch-orchestrator"
 
 
-def generate_markov(num_tokens: int, vocab_size: int, branching: int, seed: int) -> np.ndarray:
+def generate_markov(num_tokens: int, vocab_size: int, branching: int, seed: int,
+                    walk_seed: Optional[int] = None) -> np.ndarray:
+    """A walk of the seed's chain; ``walk_seed`` draws another walk of the same chain
+    (the validation split), else the training stream."""
     rng = np.random.default_rng(seed)
     successors = rng.integers(0, vocab_size, size=(vocab_size, branching))
     # Skewed successor probabilities make the stream more learnable than uniform.
     probs = rng.dirichlet(np.ones(branching) * 2.0, size=vocab_size)
     cum = probs.cumsum(axis=1)
+    if walk_seed is not None:
+        rng = np.random.default_rng([seed, walk_seed])
     out = np.empty(num_tokens, dtype=_dtype(vocab_size))
     u = rng.random(num_tokens)
     tok = int(rng.integers(0, vocab_size))
@@ -49,21 +60,48 @@ def generate_markov(num_tokens: int, vocab_size: int, branching: int, seed: int)
     return out
 
 
+def manifest(cfg: DataConfig) -> Dict[str, Any]:
+    """The manifest of a prepared directory (``data.source=tokens``)."""
+    return json.loads((Path(cfg.path) / MANIFEST).read_text())
+
+
+def file_dtype(cfg: DataConfig, vocab_size: int) -> np.dtype:
+    if cfg.source == "tokens":
+        return np.dtype(manifest(cfg)["dtype"])
+    return _dtype(vocab_size)
+
+
 def token_file(cfg: DataConfig, vocab_size: int) -> Path:
-    """Path of the token file, generating the markov data once (file-locked across ranks)."""
+    """Path of the training tokens, generating the markov data once (file-locked across ranks)."""
     if cfg.source == "file":
         if not cfg.path or not Path(cfg.path).is_file():
             raise FileNotFoundError(f"data.path={cfg.path!r} does not exist; point it at a token file")
         return Path(cfg.path)
+    if cfg.source == "tokens":
+        return Path(cfg.path) / TRAIN_BIN
+    return _markov(cfg, vocab_size, cfg.num_tokens, None)
+
+
+def val_file(cfg: DataConfig, vocab_size: int) -> Optional[Path]:
+    """Path of the held-out tokens; None for a plain token file (no split)."""
+    if cfg.source == "tokens":
+        return Path(cfg.path) / VAL_BIN
+    if cfg.source == "markov":
+        return _markov(cfg, vocab_size, max(cfg.num_tokens // 20, 20_000), walk_seed=1)
+    return None
+
+
+def _markov(cfg: DataConfig, vocab_size: int, num_tokens: int, walk_seed: Optional[int]) -> Path:
     cache = _cache_dir(cfg)
     cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"markov-v{vocab_size}-b{cfg.branching}-n{cfg.num_tokens}-s{cfg.seed}.bin"
+    split = "" if walk_seed is None else f"-val{walk_seed}"
+    path = cache / f"markov-v{vocab_size}-b{cfg.branching}-n{num_tokens}-s{cfg.seed}{split}.bin"
     if path.exists():
         return path
     with open(cache / (path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
-            tokens = generate_markov(cfg.num_tokens, vocab_size, cfg.branching, cfg.seed)
+            tokens = generate_markov(num_tokens, vocab_size, cfg.branching, cfg.seed, walk_seed)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tokens.tofile(tmp)
             os.replace(tmp, path)
@@ -81,8 +119,8 @@ class ShardedLoader:
     """Yields (inputs, targets) micro-batches for one data-parallel rank."""
 
     def __init__(self, path: Path, vocab_size: int, seq_len: int, micro_batch: int, grad_accum: int,
-                 dp_rank: int, dp_size: int, seed: int) -> None:
-        self.tokens = np.memmap(path, dtype=_dtype(vocab_size), mode="r")
+                 dp_rank: int, dp_size: int, seed: int, dtype: Optional[np.dtype] = None) -> None:
+        self.tokens = np.memmap(path, dtype=dtype or _dtype(vocab_size), mode="r")
         self.seq_len = seq_len
         self.micro_batch = micro_batch
         self.grad_accum = grad_accum
