@@ -24,6 +24,7 @@ from launcher.compose import run_config
 from launcher.provenance import CodeState, code_state, write_provenance
 from launcher.track import registry
 from launcher.track.summary import summary_lines
+from spec.batch import batch_line
 from spec.config import ConfigError, RunConfig
 from spec.hf import apply_hf_model
 from spec.layout import Layout
@@ -167,6 +168,8 @@ def dry_run(p: Point) -> int:
     print(rank_map(p.layout))
     if p.entry is not None:
         print(task_view(p))
+    else:
+        print(batch_line(p.cfg, p.layout))
     print(f"dry run: nothing submitted\nrun_dir: {p.run_dir}")
     return 0
 
@@ -209,7 +212,8 @@ def start(session: Optional[Session], p: Point, wait: bool) -> int:
     if cfg.cluster.backend != "slurm":
         update_run_json(run_dir, status=Status.STARTING, job_id="local", requeues_since_submit=0,
                         **_common(cfg, layout, run_dir))
-        print(f"local run: {layout.world_size} ranks on this machine\nrun_dir: {run_dir}", flush=True)
+        print(f"local run: {layout.world_size} ranks on this machine\n{batch_line(cfg, layout)}\nrun_dir: {run_dir}",
+              flush=True)
         code = local.run_local(cfg, layout, run_dir)
         if code and status_of(read_run_json(run_dir)) not in (Status.FAILED, Status.INTERRUPTED):
             update_run_json(run_dir, status=Status.FAILED, error=f"a rank exited with status {code}")
@@ -231,6 +235,8 @@ def submitted(session: Optional[Session], p: Point, job_id: str) -> None:
         session.submitted.append((job_id, p.run_dir, p.slurm_conf))
         session.wait = session.wait or p.cfg.launcher.wait
     print(f"submitted job {job_id} ({p.label}): {p.cfg.cluster.nodes} node(s) x {p.cfg.cluster.gpus_per_node} tasks")
+    if p.entry is None:
+        print(batch_line(p.cfg, p.layout))
     print(f"run_dir: {p.run_dir}", flush=True)
 
 

@@ -191,6 +191,10 @@ class OptimConfig:
     eps: float = 1e-8
     # Clip the global gradient norm to this value; 0 disables clipping.
     grad_clip: float = 1.0
+    # Scale lr with the global batch (spec/batch.py): none | linear | sqrt, against the
+    # global batch (sequences) that lr was tuned for.
+    lr_scaling: str = "none"
+    base_global_batch: Optional[int] = None
 
 
 @dataclass
@@ -280,6 +284,25 @@ class LauncherConfig:
 
 
 @dataclass
+class WandbConfig:
+    # A W&B project name turns logging on; null = off.
+    project: Optional[str] = None
+    # "offline" (files under RUN_DIR/wandb, `wandb sync` them later), "online" or "disabled".
+    mode: str = "offline"
+    entity: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class TrackingConfig:
+    """Where the metrics rows go besides metrics.jsonl (rank 0 writes them)."""
+
+    # TensorBoard event files under RUN_DIR/tensorboard.
+    tensorboard: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
 class RunConfig:
     # What every task runs. null: the built-in trainer. "path/to/script.py": the file runs
     # as __main__ in every task, with entrypoint_args as its argv and the torchrun
@@ -298,6 +321,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 

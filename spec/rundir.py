@@ -27,6 +27,9 @@ SBATCH = "sbatch.sh"
 ENTRYPOINT = "entrypoint.json"  # a user's entry point: what every task runs (launcher/entrypoint.py)
 LOGS = "logs"
 CHECKPOINTS = "checkpoints"
+REGISTRY = "registry.jsonl"  # SWEEP_DIR/registry.jsonl: a sweep's points (launcher/track/registry.py)
+TENSORBOARD = "tensorboard"  # tracking.tensorboard: event files
+WANDB = "wandb"  # tracking.wandb: W&B's own files (offline runs to sync)
 SAVE_NOW = "SAVE_NOW"  # touch RUN_DIR/SAVE_NOW: a checkpoint at the next step boundary
 
 

@@ -20,6 +20,8 @@ _CHOICES = {
     "strategy.activation_checkpointing": ("none", "selective", "full"),
     "strategy.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
     "data.source": ("markov", "file", "tokens"),
+    "tracking.wandb.mode": ("offline", "online", "disabled"),
+    "optim.lr_scaling": ("none", "linear", "sqrt"),
 }
 
 _POSITIVE = (
@@ -253,6 +255,10 @@ def validate(cfg: RunConfig) -> None:
     if cfg.train.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                           f"use train.seq_len<={m.max_seq_len}")
+    if cfg.optim.lr_scaling != "none" and not (cfg.optim.base_global_batch or 0) > 0:
+        raise ConfigError(f"optim.lr_scaling={cfg.optim.lr_scaling} needs optim.base_global_batch (the global batch "
+                          f"in sequences that optim.lr was tuned for), got {cfg.optim.base_global_batch}; set it, "
+                          "e.g. optim.base_global_batch=256")
     if cfg.data.source == "file" and not cfg.data.path:
         raise ConfigError(f"data.source=file needs a token file but data.path={cfg.data.path!r}; "
                           "set data.path=PATH to a binary token file")

@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from spec.batch import peak_lr
 from spec.config import RunConfig
 from spec.model_size import flops_per_token
 from spec.rundir import MetricsRow, Status
@@ -23,19 +24,22 @@ from train.metrics import mfu
 from train.model import build_model
 from train.parallelize import parallelize
 from train.strategies.base import Engine
+from train.tracking import Tracking
 
 # A checkpoint on demand: `touch RUN_DIR/SAVE_NOW`; the next step boundary saves it.
 SAVE_REQUEST = "SAVE_NOW"
 
 
-def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio x lr at the last step."""
+def lr_at(step: int, cfg: RunConfig, peak: float | None = None) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio x the peak at the last step. The
+    peak: optim.lr, scaled with the global batch by optim.lr_scaling (spec/batch.py)."""
     o, total = cfg.optim, cfg.train.steps
+    peak = o.lr if peak is None else peak
     if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
+        return peak * (step + 1) / o.warmup_steps
     span = max(1, total - o.warmup_steps)
     progress = min(1.0, (step - o.warmup_steps) / span)
-    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return peak * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def train(task: Task, ckpt: Checkpointer) -> Status:
@@ -62,9 +66,11 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
         gc.collect()
         gc.freeze()  # the model, optimizer and imports: never scanned again
         gc.disable()
+    tracking = Tracking(cfg, task.run_dir, loader.state.step, task.segment, ctx.is_main)
     try:
-        return _steps(task, ckpt, engine, loader)
+        return _steps(task, ckpt, engine, loader, tracking)
     finally:
+        tracking.close()
         if gc_every > 0:
             gc.enable()
             gc.unfreeze()
@@ -154,10 +160,11 @@ class Meter:
         )
 
 
-def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader) -> Status:
+def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader, tracking: Tracking) -> Status:
     cfg, ctx, log = task.cfg, task.ctx, task.log
     meter = Meter(cfg, ctx.world_size, ctx.device.type, loader.global_batch)
     evaluator = Evaluator(cfg, task.layout, ctx)
+    peak = peak_lr(cfg, task.layout)
     last_save = time.monotonic()
     task.watchdog.begin(loader.state.step)
     first = loader.state.step
@@ -166,13 +173,15 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
             gc.collect(1)
         t0 = time.perf_counter()
         task.watchdog.phase("compute", step)
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, cfg, peak)
         loss, grad_norm = engine.train_step(loader.next_step(), lr)
         agreed = _agree(task, engine, step, loss, grad_norm, _save_due(task, last_save))
         dt = time.perf_counter() - t0
         val = evaluator.run(engine) if evaluator.due(step + 1) else None
         if ctx.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps or val is not None):
-            task.write_metrics(meter.row(step, lr, agreed, dt, task.segment, val))
+            row = meter.row(step, lr, agreed, dt, task.segment, val)
+            task.write_metrics(row)
+            tracking.log(row)
             log(f"step {step + 1}/{cfg.train.steps} loss {agreed.loss:.4f} tokens/s "
                 f"{meter.tokens_per_step / dt:.0f} step {dt * 1000:.1f} ms")
         every = cfg.checkpoint.every_steps

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-REGISTRY = "registry.jsonl"
+from spec.rundir import REGISTRY  # noqa: F401  (re-exported: the sweep's file name)
 
 
 def record(sweep_dir: Path, point: str, event: str, **fields: Any) -> None:
