@@ -40,8 +40,9 @@ RUN = ["train.seq_len=32", "data.num_tokens=50000", "checkpoint.save_final=true"
 
 def _save_hf(path: Path, seed: int = 0, **extra) -> Path:
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                                   vocab_size=256, max_position_embeddings=128, **extra)
+    shape = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 256, "max_position_embeddings": 128, **extra}
+    cfg = transformers.LlamaConfig(**shape)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
 

@@ -1,5 +1,5 @@
-"""The warning signal at the worst moment: USR2 the instant the job's step appears on the
-real cluster, while its tasks are still starting Python (no handler of ours yet, maybe not
+"""The warning signal at the worst moment: USR2 the instant the job's first task process
+exists on the real cluster, while its tasks are still starting Python (no handler of ours yet, maybe not
 even submitit's). Slurm may send ``--signal``'s warning up to 60 s early, so on a busy
 cluster this happens. Whichever handler the signal meets (none: the batch script's
 teardown requeues the step that died of it; submitit's: TaskCall.checkpoint requeues; ours:
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,15 +19,24 @@ from spec.rundir import read_metrics, read_run_json
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
-def _first_step_appears(job: str, env: dict, timeout: float = 120) -> None:
+def _first_task_exists(job: str, env: dict, timeout: float = 120) -> None:
+    """Until a task of the job's first step exists: its ``task_wrapper.sh`` process (the local
+    cluster's nodes are this machine). A signal sent while the step is listed but before
+    slurmstepd has forked its tasks reaches no process at all and Slurm drops it (a loaded
+    suite run saw that: the job then simply completed), so the earliest moment a signal can
+    hit start-up is the first task process."""
     deadline = time.time() + timeout
+    marker = f"SLURM_JOB_ID={job}".encode()
     while time.time() < deadline:
-        out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], env=env, capture_output=True,
-                             text=True).stdout.split()
-        if f"{job}.0" in out:
-            return
+        for proc in Path("/proc").iterdir():
+            try:
+                if (b"task_wrapper.sh" in (proc / "cmdline").read_bytes()
+                        and marker in (proc / "environ").read_bytes().split(b"\0")):
+                    return
+            except OSError:  # not a process, or it ended
+                continue
         time.sleep(0.02)
-    raise AssertionError(f"job {job}: no step after {timeout} s")
+    raise AssertionError(f"job {job}: no task process after {timeout} s")
 
 
 def _history(job: str, env: dict) -> list:
@@ -53,7 +63,7 @@ def test_usr2_as_the_step_starts_ends_in_a_requeue_and_completion(tmp_path, slur
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = run_dir_of(proc.stdout)
     job = str(read_run_json(run_dir)["job_id"])
-    _first_step_appears(job, slurm_cluster)
+    _first_task_exists(job, slurm_cluster)
     subprocess.run(["scancel", "--signal=USR2", job], env=slurm_cluster, check=True)
     states = _ended(job, slurm_cluster)
     info = read_run_json(run_dir)
