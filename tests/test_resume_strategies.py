@@ -22,40 +22,55 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_kill_in_save_then_resume_is_exact(tmp_path, strategy):
+def strategy_args(strategy):
     args = BASE + [f"+strategy={strategy}"]
     if strategy == "hsdp":
         args.append("cluster.nodes=2")  # replicate across 2 "nodes", shard inside each
     if strategy == "pp_fsdp_tp":
         args.append("cluster.gpus_per_node=4")  # pp 2 x tp 2: stages hold their own DCP shards
-    ref = launcher(args + [f"launcher.run_dir={tmp_path}/ref"], cwd=tmp_path)
-    assert ref.returncode == 0, ref.stdout + ref.stderr
+    return args
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run of a strategy with blocking saves, made once and shared: the
+    kill-in-save test compares against it, the async test takes it as its blocking run."""
+    root, runs = tmp_path_factory.mktemp("references"), {}
+
+    def get(strategy):
+        if strategy not in runs:
+            runs[strategy] = root / strategy
+            proc = launcher(strategy_args(strategy) + ["checkpoint.async_save=false",
+                                                       f"launcher.run_dir={runs[strategy]}"], cwd=root)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        return runs[strategy]
+    return get
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_kill_in_save_then_resume_is_exact(tmp_path, strategy, reference):
+    args = strategy_args(strategy)
+    ref = reference(strategy)
     killed = launcher(args + ["fault.kill_in_save_at_step=8", f"launcher.run_dir={tmp_path}/run"], cwd=tmp_path)
     assert killed.returncode != 0
     again = launcher(args + [f"launcher.run_dir={tmp_path}/run"], cwd=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed from step 4" in (tmp_path / "run" / "logs" / "rank0.log").read_text()
-    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+    assert losses(tmp_path / "run") == losses(ref)
     assert_committed(tmp_path / "run" / "checkpoints")
 
 
 # DTensor shards (1-D and 2-D meshes) and pipeline stages' own state dicts; DDP's plain
 # tensors in tests/test_checkpoint.py.
 @pytest.mark.parametrize("strategy", ["fsdp", "pp_fsdp_tp"])
-def test_async_save_is_the_state_of_the_step_saved(tmp_path, strategy):
+def test_async_save_is_the_state_of_the_step_saved(tmp_path, strategy, reference):
     """The async snapshot is copied on the checkpoint thread while the next step runs:
     its checkpoints equal the blocking saves' (every tensor bitwise, every plain value),
     and the training is unchanged."""
-    args = BASE + [f"+strategy={strategy}"]
-    if strategy == "pp_fsdp_tp":
-        args.append("cluster.gpus_per_node=4")
-    runs = {}
-    for mode in ("false", "true"):
-        runs[mode] = tmp_path / f"async_{mode}"
-        proc = launcher(args + [f"checkpoint.async_save={mode}", "fault.slow_async_save_s=0.5",  # as in DDP's test
-                                f"launcher.run_dir={runs[mode]}"], cwd=tmp_path)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = {"false": reference(strategy), "true": tmp_path / "async_true"}
+    proc = launcher(strategy_args(strategy) + ["checkpoint.async_save=true", "fault.slow_async_save_s=0.5",  # as in DDP's
+                                               f"launcher.run_dir={runs['true']}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert losses(runs["true"]) == losses(runs["false"])
     assert_committed(runs["true"] / "checkpoints")
     for step in ("step_00000004", "step_00000008"):
