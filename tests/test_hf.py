@@ -188,3 +188,16 @@ def test_trained_export_loads_in_transformers_with_our_logits(hf_dirs, tmp_path,
     with torch.no_grad():
         assert not torch.allclose(start(tokens).logits, want, atol=1e-4)  # the export holds the trained weights
     assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 2
+
+
+def test_a_tied_head_stays_the_embedding_after_materialisation():
+    """``to_empty`` gives every module a tensor of its own: before the retie the head of a
+    tied model (gpt2_124m, llama3_1b) was uninitialised memory, not the embedding."""
+    from spec.config import ModelConfig
+    from train.model import build_model, materialise
+
+    model = build_model(ModelConfig(tie_embeddings=True))
+    materialise([model], 0, torch.device("cpu"))
+    assert model.output.weight is model.tok_embeddings.weight
+    assert len(list(model.parameters())) == len(dict(model.named_parameters(remove_duplicate=False))) - 1
+    assert torch.isfinite(model(torch.zeros(1, 8, dtype=torch.long))).all()
