@@ -223,7 +223,7 @@ def start(session: Optional[Session], p: Point, wait: bool) -> int:
     job_id = str(submit.submit(cfg, layout, run_dir, p.slurm_conf).job_id)
     submitted(session, p, job_id)
     if wait:
-        return wait_and_report(job_id, run_dir, p.slurm_conf)
+        return wait_and_report(job_id, run_dir, p.slurm_conf, cfg.launcher.wait_poll_s, cfg.launcher.wait_max_poll_s)
     return 0
 
 
@@ -240,8 +240,9 @@ def submitted(session: Optional[Session], p: Point, job_id: str) -> None:
     print(f"run_dir: {p.run_dir}", flush=True)
 
 
-def wait_and_report(job_id: str, run_dir: Path, slurm_conf: Optional[str]) -> int:
-    state = submit.wait(job_id, run_dir, slurm_conf)
+def wait_and_report(job_id: str, run_dir: Path, slurm_conf: Optional[str], poll_s: float = 1.0,
+                    max_poll_s: float = 30.0) -> int:
+    state = submit.wait(job_id, run_dir, slurm_conf, poll_s, max_poll_s)
     print(f"\njob {job_id}: {state}")
     print("\n".join(summary_lines(run_dir)))
     return 0 if state == "COMPLETED" and status_of(read_run_json(run_dir)) is Status.COMPLETED else 1

@@ -224,15 +224,23 @@ def _submit_one_array(cfg: RunConfig, layout: Layout, run_dirs: List[Path], slur
     return ids
 
 
-def wait(job_id: str, run_dir: Path, slurm_conf: Optional[str], poll_s: float = 1.0) -> str:
+def poll_interval(elapsed_s: float, first_s: float, max_s: float) -> float:
+    """Seconds until the next poll of Slurm: a tenth of the time waited so far, between
+    ``first_s`` and ``max_s`` (a short job is seen ending at once; a day-long wait asks
+    slurmdbd every ``max_s``, not every second)."""
+    return min(max_s, max(first_s, 0.1 * elapsed_s))
+
+
+def wait(job_id: str, run_dir: Path, slurm_conf: Optional[str], poll_s: float = 1.0, max_poll_s: float = 30.0) -> str:
     """Block until the job leaves the queue; return its final Slurm state."""
     env = query.slurm_env(slurm_conf)
     terminal = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE")  # PREEMPTED jobs are requeued: keep waiting
+    start = time.monotonic()
     while True:
         rows = query.sacct([job_id], env)
         state = rows.get(job_id, {}).get("State", "PENDING").split()[0]
         if state in terminal:
             return state
-        time.sleep(poll_s)
+        time.sleep(poll_interval(time.monotonic() - start, poll_s, max_poll_s))
         print(".", end="", file=sys.stderr, flush=True)

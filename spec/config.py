@@ -272,6 +272,11 @@ class LauncherConfig:
     dry_run: bool = False
     # Block until the job ends and print its summary (local runs always wait).
     wait: bool = False
+    # While waiting, Slurm is asked again after a tenth of the time waited so far, between
+    # these bounds (seconds): a short job is seen ending at once, a long one costs slurmdbd
+    # one query per wait_max_poll_s.
+    wait_poll_s: float = 1.0
+    wait_max_poll_s: float = 30.0
     # Directory under which run directories are made (relative to the current directory).
     root: str = "runs"
     # Explicit run directory; null = derived from the overrides, so re-running the same

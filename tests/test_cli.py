@@ -122,3 +122,9 @@ def test_a_signal_that_may_come_during_start_up_is_warned_of(tmp_path, time_min,
         assert f"cluster.signal_delay_s={delay}" in lines[0] and f"cluster.time_min={time_min}" in lines[0]
     else:
         assert not lines, proc.stderr
+
+
+def test_waiting_polls_slurm_less_often_as_the_wait_grows():
+    from launcher.submit import poll_interval
+
+    assert [poll_interval(t, 1.0, 30.0) for t in (0, 5, 20, 100, 3600)] == [1.0, 1.0, 2.0, 10.0, 30.0]

@@ -18,14 +18,18 @@ def describe(sweep: Sweep) -> str:
     return text + (f" (Slurm: {sweep.slurm_error[:60]})" if sweep.slurm_error else "")
 
 
-def wait_until_finished(sweep_dir: Path, poll_s: float = 2.0, out=None) -> Sweep:
-    """Block until every point of the sweep has finished (completed, failed or skipped)."""
+def wait_until_finished(sweep_dir: Path, poll_s: float = 2.0, out=None, max_poll_s: float = 30.0) -> Sweep:
+    """Block until every point of the sweep has finished (completed, failed or skipped);
+    Slurm is asked less often as the wait grows (:func:`launcher.submit.poll_interval`)."""
+    from launcher.submit import poll_interval
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     out = out or console()
     sweep = collect(sweep_dir)
     done = sum(p.finished for p in sweep.points)
     last = ""
+    start = time.monotonic()
     with Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=out) as bar:
         task = bar.add_task(describe(sweep), total=len(sweep.points), completed=done)
@@ -33,7 +37,7 @@ def wait_until_finished(sweep_dir: Path, poll_s: float = 2.0, out=None) -> Sweep
             if not out.is_terminal and describe(sweep) != last:  # logs get a line per change, not a bar
                 last = describe(sweep)
                 out.print(f"sweep: {done}/{len(sweep.points)} finished; {last}")
-            time.sleep(poll_s)
+            time.sleep(poll_interval(time.monotonic() - start, poll_s, max_poll_s))
             sweep = collect(sweep_dir)
             done = sum(p.finished for p in sweep.points)
             bar.update(task, completed=done, description=describe(sweep))
