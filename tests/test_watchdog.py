@@ -8,7 +8,7 @@ import pytest
 
 from conftest import launcher, run_dir_of
 from spec.rundir import read_run_json
-from train.harness.watchdog import COLLECTIVE, Watchdog, stuck_ranks
+from train.harness.watchdog import COLLECTIVE, Watchdog, classify_failure, stuck_ranks
 
 
 def beat(rank, phase=COLLECTIVE, step=5):
@@ -55,3 +55,14 @@ def test_sleeping_rank_is_detected_and_named(tmp_path):
     for rank in (0, 1):
         assert "in train" in (run_dir / "logs" / f"stack_rank{rank}.txt").read_text()
     assert elapsed < 60  # the job ended by itself, long before the 3600 s sleep
+
+
+def test_heartbeats_follow_the_hang_timeout(tmp_path):
+    """None without a watchdog; a sixtieth of the timeout, 1 to 30 s: a shared file system
+    sees ranks/5 writes a second at the default 300 s, not one per rank."""
+    from train.harness.watchdog import heartbeat_interval
+
+    assert [heartbeat_interval(t) for t in (0, 30, 300, 1200, 7200)] == [0.0, 1.0, 5.0, 20.0, 30.0]
+    dog = Watchdog(tmp_path, 0, 0, "h", 1, timeout_s=0, interval_s=0).start()
+    assert dog._thread is None and not (tmp_path / "heartbeat").exists()
+    assert classify_failure(tmp_path, 2, interval_s=0)["failure"] == "communication"

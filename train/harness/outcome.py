@@ -25,15 +25,17 @@ def is_comm_error(exc: BaseException) -> bool:
         "Connection closed by peer", "Connection reset", "gloo", "NCCL", "Broken pipe", "timed out"))
 
 
-def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int, log: logging.Logger) -> None:
-    """The workload raised ``exc`` on this rank: say so in run.json (the caller re-raises)."""
+def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int, log: logging.Logger,
+                   heartbeat_s: float = 1.0) -> None:
+    """The workload raised ``exc`` on this rank: say so in run.json (the caller re-raises).
+    ``heartbeat_s``: the ranks' heartbeat interval (0: none, no classification)."""
     import traceback
 
     log.error("training failed: %s\n%s", exc, traceback.format_exc())
     fields: Dict[str, Any] = {"status": Status.FAILED, "error": f"{type(exc).__name__}: {str(exc)[:500]}",
                               "ended_at": time.time()}
     if is_comm_error(exc):  # a peer died or the network broke: find out which
-        fields.update(classify_failure(run_dir, world_size))
+        fields.update(classify_failure(run_dir, world_size, heartbeat_s))
         log.error("failure classified: %s", fields)
     if rank == 0 or "failure" in fields:  # rank 0 may be the one that died
         # A hang already recorded is the cause: a rank's error after it (its peers exited

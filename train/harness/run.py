@@ -28,7 +28,7 @@ from spec.layout import Layout, build_layout
 from spec.rundir import CONFIG, MetricsRow, Status, append_metrics, read_run_json, status_of, update_run_json
 from train.harness.outcome import record_failure, record_hang, record_outcome
 from train.harness.preempt import PreemptionFlag
-from train.harness.watchdog import Watchdog
+from train.harness.watchdog import Watchdog, heartbeat_interval
 
 # Statuses after which a (re)started job does nothing: resubmission resets them.
 
@@ -90,7 +90,7 @@ def run_task(run_dir: str | Path, workload: Workload, flag: Optional[PreemptionF
     try:
         outcome = workload(task)
     except BaseException as exc:
-        record_failure(exc, run_dir, ctx.rank, ctx.world_size, log)
+        record_failure(exc, run_dir, ctx.rank, ctx.world_size, log, task.watchdog.interval_s)
         raise
     task.watchdog.stop()
     if ctx.is_main:
@@ -151,4 +151,4 @@ def _watchdog(cfg: RunConfig, ctx, run_dir: Path) -> Watchdog:
     hang = cfg.cluster.hang_timeout_s
     startup = min(3 * hang, cfg.train.dist_timeout_s - WATCHDOG_GRACE_S)
     return Watchdog(run_dir, ctx.rank, ctx.node_rank, ctx.hostname, ctx.world_size, hang,
-                    on_hang=lambda report: record_hang(run_dir, report), startup_timeout_s=startup).start()
+                    interval_s=heartbeat_interval(hang), on_hang=lambda report: record_hang(run_dir, report), startup_timeout_s=startup).start()

@@ -44,7 +44,7 @@ from train import session
 from train.harness.outcome import after_interruption, record_failure
 from train.harness.preempt import PreemptionFlag, in_slurm_job
 from train.harness.run import rank_logger
-from train.harness.watchdog import Watchdog
+from train.harness.watchdog import Watchdog, heartbeat_interval
 
 
 class Preempted(BaseException):
@@ -142,7 +142,8 @@ def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:
     if task is None:
         return 0
     cfg, run_dir, te, log = task.cfg, task.run_dir, task.te, task.log
-    watchdog = Watchdog(run_dir, te.rank, te.node_rank, socket.gethostname(), te.world_size, 0).start()
+    watchdog = Watchdog(run_dir, te.rank, te.node_rank, socket.gethostname(), te.world_size, 0,
+                        interval_s=heartbeat_interval(cfg.cluster.hang_timeout_s)).start()
     flag = flag if flag is not None else PreemptionFlag().install()
     state = session._State(run_dir, te.rank, te.world_size, task.info["segments"], flag, watchdog)
     session._bind(state)
@@ -182,7 +183,7 @@ def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:
             log.info(f"interrupted by a signal ({type(exc).__name__}); the code did not ask "
                      "(train.session.should_stop)")
             return 0
-        record_failure(exc, run_dir, te.rank, te.world_size, log)
+        record_failure(exc, run_dir, te.rank, te.world_size, log, watchdog.interval_s)
         if isinstance(exc, ExitStatus):
             return code
         raise

@@ -1,6 +1,6 @@
 """Hang watchdog: detect a step that never ends, name the ranks that hold it up, exit.
 
-Every rank runs a small thread that, once a second, writes the rank's heartbeat
+Every rank runs a small thread that, every few seconds (:func:`heartbeat_interval`), writes the rank's heartbeat
 (``RUN_DIR/heartbeat/rank{R}.json``: step, phase, host, last progress) and checks how
 long ago the rank last completed a step. The main thread only sets two attributes per
 phase, so the cost is nil. When no step has completed for ``cluster.hang_timeout_s``
@@ -61,10 +61,13 @@ def read_beats(run_dir: Path, world_size: int) -> List[Dict[str, Any]]:
 def classify_failure(run_dir: Path, world_size: int, interval_s: float = 1.0) -> Dict[str, Any]:
     """After a communication error: which ranks died, and did whole nodes go?
 
-    Live ranks keep beating once a second (the watchdog thread runs on while the main
-    thread handles the error); a rank whose heartbeat stopped is dead. A node all of
-    whose ranks are dead is a suspected node failure: resubmission excludes it.
+    Live ranks keep beating every ``interval_s`` (the watchdog thread runs on while the
+    main thread handles the error); a rank whose heartbeat stopped is dead. A node all of
+    whose ranks are dead is a suspected node failure: resubmission excludes it. Without
+    heartbeats (interval 0) nothing can be told apart: a communication failure.
     """
+    if interval_s <= 0:
+        return {"failure": "communication", "dead_ranks": [], "suspect_nodes": []}
     time.sleep(3 * interval_s)  # let live ranks publish a fresh beat
     now = time.time()
     beats = read_beats(run_dir, world_size)
@@ -101,7 +104,20 @@ def dump_nccl_trace(path: Path) -> Optional[str]:
         return None
 
 
+def heartbeat_interval(hang_timeout_s: float) -> float:
+    """Seconds between a rank's heartbeats: none (0) when ``cluster.hang_timeout_s`` is 0,
+    else a sixtieth of the timeout between 1 and 30 s (5 s at the default 300), so a
+    job of thousands of ranks does not write thousands of files a second to a shared
+    file system. The hang check and the failure classification run at the same rate."""
+    if hang_timeout_s <= 0:
+        return 0.0
+    return min(30.0, max(1.0, hang_timeout_s / 60))
+
+
 class Watchdog:
+    """``interval_s`` 0: no thread and no heartbeat (the loop's calls stay attribute writes);
+    ``timeout_s`` 0: heartbeats without the hang check (users' code: its steps are unseen)."""
+
     def __init__(self, run_dir: Path, rank: int, node: int, host: str, world_size: int, timeout_s: float,
                  interval_s: float = 1.0, on_hang=None, startup_timeout_s: Optional[float] = None) -> None:
         self.run_dir, self.rank, self.node, self.host = run_dir, rank, node, host
@@ -113,7 +129,6 @@ class Watchdog:
         self.last_progress = time.time()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        (run_dir / "heartbeat").mkdir(parents=True, exist_ok=True)
 
     # Called by the training loop (main thread): plain attribute writes.
     def phase(self, name: str, step: int) -> None:
@@ -131,8 +146,11 @@ class Watchdog:
         return self.timeout_s if self.warm else self.startup_timeout_s
 
     def start(self) -> "Watchdog":
-        # Heartbeats always (failure classification reads them); hang checks if enabled.
+        # Heartbeats (failure classification reads them) and, if enabled, hang checks.
         self.last_progress = time.time()
+        if self.interval_s <= 0:
+            return self
+        (self.run_dir / "heartbeat").mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
         self._thread.start()
         return self
