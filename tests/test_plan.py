@@ -237,3 +237,9 @@ def test_predicted_states_and_activations_match_ranks_on_cpu():
     for row in rows:
         assert abs(row["state_ratio"] - 1) < 0.10, row
         assert abs(row["activation_ratio"] - 1) < 0.10, row
+
+
+def test_plan_help_prints_its_options_and_groups():
+    proc = plan_cli(["--help"])
+    assert proc.returncode == 0, proc.stderr
+    assert "plan.format=table|json" in proc.stdout and "strategy=ddp," in proc.stdout and "zero3" in proc.stdout

@@ -271,6 +271,11 @@ def _plan_and_print(composer: PointComposer, i: int, point: List[str], opts: Dic
 
 
 def main() -> None:
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__.strip())
+        print(f"\ngroups: cluster={','.join(group_options('cluster'))}  model={','.join(group_options('model'))}  "
+              f"strategy={','.join(group_options('strategy'))}")
+        sys.exit(0)
     try:
         code = run(sys.argv[1:])
     except ConfigError as exc:
