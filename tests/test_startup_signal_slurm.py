@@ -30,7 +30,10 @@ def _first_task_exists(job: str, env: dict, timeout: float = 120) -> None:
     while time.time() < deadline:
         for proc in Path("/proc").iterdir():
             try:
-                if (b"task_wrapper.sh" in (proc / "cmdline").read_bytes()
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                # the task itself (`bash .../task_wrapper.sh python ...`), not srun, whose
+                # command line names the wrapper too
+                if (len(argv) > 1 and argv[0].endswith(b"bash") and argv[1].endswith(b"task_wrapper.sh")
                         and marker in (proc / "environ").read_bytes().split(b"\0")):
                     return
             except OSError:  # not a process, or it ended
