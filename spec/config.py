@@ -34,7 +34,8 @@ class ClusterConfig:
     # Ranks per node: GPUs per node on GPU clusters, task slots per node on CPU clusters.
     gpus_per_node: int = 2
     # GPUs that share NVLink inside a node; 0 means "all GPUs of the node" (= gpus_per_node).
-    # Tensor parallel groups must fit inside one domain.
+    # Tensor parallel groups must fit inside one domain. A job using fewer GPUs per node than
+    # the domain holds counts them as one domain (min(nvlink_domain, gpus_per_node)).
     nvlink_domain: int = 0
     # "cpu" (gloo, no --gpus-per-node) or "gpu" (nccl, --gpus-per-node=gpus_per_node).
     accelerator: str = "cpu"
@@ -241,6 +242,10 @@ class CheckpointConfig:
     async_save: bool = False
     # Also save after the last step (what `python -m launcher.export` then exports).
     save_final: bool = False
+    # DeepSpeed: load the checkpoint in DeepSpeed's universal format. Set by the trainer
+    # itself when it resumes a ZeRO checkpoint saved at another data-parallel size or
+    # stage (launcher.resume RUN_DIR cluster.nodes=M); leave it false.
+    load_universal: bool = False
 
 
 @dataclass
@@ -264,6 +269,10 @@ class FaultConfig:
     # again before its write, so the training thread runs ahead of it (tests: what is
     # saved must still be the state of the step saved).
     slow_async_save_s: float = 0.0
+    # Every rank appends the window ids of each step's data to
+    # logs/samples_seg{S}_rank{R}.txt ("step id id ..."): tests count the samples a run
+    # saw across segments (a step replayed after a crash: the later segment's counts).
+    trace_samples: bool = False
 
 
 @dataclass

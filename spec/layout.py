@@ -138,9 +138,14 @@ def build_layout(cfg: RunConfig) -> Layout:
         raise ConfigError(f"cluster.nodes={c.nodes} must be >= 1; use cluster.nodes=1 or more")
     if c.gpus_per_node < 1:
         raise ConfigError(f"cluster.gpus_per_node={c.gpus_per_node} must be >= 1")
-    domain = c.nvlink_domain or c.gpus_per_node
+    # A job that uses fewer GPUs per node than one NVLink domain holds has them all in one
+    # domain: a sweep over gpus_per_node=1,2,4,8 on an 8-GPU NVLink node runs every point.
+    domain = min(c.nvlink_domain or c.gpus_per_node, c.gpus_per_node)
     if c.gpus_per_node % domain:
-        raise ConfigError(f"cluster.nvlink_domain={domain} must divide cluster.gpus_per_node={c.gpus_per_node}")
+        fits = [d for d in range(domain, 0, -1) if c.gpus_per_node % d == 0][0]
+        raise ConfigError(f"cluster.nvlink_domain={domain} must divide cluster.gpus_per_node={c.gpus_per_node} "
+                          f"(GPUs of a node in NVLink islands of {domain}); use cluster.gpus_per_node as a "
+                          f"multiple of {domain}, or cluster.nvlink_domain={fits}")
     world = c.nodes * c.gpus_per_node
     raw = {"pipeline_parallel": s.pipeline_parallel, "dp_replicate": s.dp_replicate,
            "dp_shard": s.dp_shard, "tensor_parallel": s.tensor_parallel}

@@ -65,3 +65,21 @@ def test_hsdp_replicates_across_nodes_and_shards_inside():
     assert build_layout(cfg).shape == (1, 3, 4, 1)
     cfg = compose_run(["+strategy=hsdp", "cluster.nodes=2", "cluster.gpus_per_node=8", "strategy.tensor_parallel=2"])
     assert build_layout(cfg).shape == (1, 2, 4, 2)
+
+
+@pytest.mark.parametrize("gpus,domain", [(1, 1), (2, 2), (4, 4), (8, 8)])
+def test_fewer_gpus_per_node_than_the_nvlink_domain_are_one_domain(gpus, domain):
+    """A sweep over cluster.gpus_per_node=1,2,4,8 on an 8-GPU NVLink profile runs every point."""
+    cfg = compose_run(["+cluster=h100x8", f"cluster.gpus_per_node={gpus}", "+strategy=fsdp_tp",
+                       f"strategy.tensor_parallel={min(gpus, 2)}"])
+    assert cfg.cluster.nvlink_domain == 8
+    layout = build_layout(cfg)
+    assert layout.nvlink_domain == domain and layout.tp == min(gpus, 2)
+
+
+def test_gpus_per_node_across_nvlink_islands_is_refused_with_a_fix():
+    cfg = compose_run(["+cluster=h100x8", "cluster.gpus_per_node=6", "cluster.nvlink_domain=4"])
+    with pytest.raises(ConfigError, match=re.escape("cluster.nvlink_domain=4 must divide cluster.gpus_per_node=6 "
+                                                    "(GPUs of a node in NVLink islands of 4); use cluster.gpus_per_node "
+                                                    "as a multiple of 4, or cluster.nvlink_domain=3")):
+        build_layout(cfg)
