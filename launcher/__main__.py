@@ -70,6 +70,10 @@ def main() -> None:
     if not multirun:
         return
     if not session.accepted and session.skipped:
+        if session.fresh_sweep_dir is not None:  # made by this refused sweep: leave no trace
+            import shutil
+
+            shutil.rmtree(session.fresh_sweep_dir, ignore_errors=True)
         print(f"error: every point was skipped ({len(session.skipped)}); nothing submitted", file=sys.stderr)
         sys.exit(2)
     if session.wait and session.submitted:

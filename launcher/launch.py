@@ -11,7 +11,6 @@ passes down; nothing here keeps state between calls.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ class Session:
     code: Optional[CodeState] = None  # git commit, diff, versions: asked once per launch
     entry_code: Dict[str, dict] = field(default_factory=dict)  # a user's entry file -> its sha256 and git state
     probe: submit.SlurmProbe = field(default_factory=submit.SlurmProbe)  # Slurm's answers, once per launch
+    fresh_sweep_dir: Optional[Path] = None  # the outermost directory this sweep made (runs/, multirun/, ...)
 
     def code_state(self) -> CodeState:
         if self.code is None:
@@ -114,12 +114,23 @@ def note(run_dir: Path, multirun: bool, overrides: List[str], event: str, **fiel
         registry.record(run_dir.parent, run_dir.name, event, overrides=overrides, run_dir=str(run_dir), **fields)
 
 
+def remove_empty(run_dir: Path) -> None:
+    """Remove ``run_dir`` and its parents below the current directory while they are empty."""
+    cwd = Path.cwd().resolve()
+    for d in (run_dir.resolve(), *run_dir.resolve().parents):
+        if d == cwd or cwd not in d.parents:
+            return
+        try:
+            d.rmdir()
+        except OSError:  # not empty (another run's), or gone
+            return
+
+
 def refuse(session: Session, reason: str, run_dir: Path, label: str, overrides: List[str], record: bool) -> int:
     """A config that failed a check: a sweep skips the point with its reason, a single run exits 2."""
     if not session.multirun:
         print(f"error: {reason}", file=sys.stderr)
-        with contextlib.suppress(OSError):
-            run_dir.rmdir()  # the empty directory Hydra made for the run: a refusal leaves nothing
+        remove_empty(run_dir)  # the empty directory Hydra made for the run: a refusal leaves nothing
         return 2
     print(f"skipped point {label}: {reason}", file=sys.stderr)
     session.skipped.append(label)

@@ -25,6 +25,18 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, expect):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], proc.stderr
     assert "submitted job" not in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # no run directory, empty or not
+
+
+def test_a_sweep_refused_whole_leaves_no_directory(tmp_path):
+    (tmp_path / "runs" / "multirun" / "older").mkdir(parents=True)  # another sweep's: kept
+    proc = launcher(["+cluster=a100x8", "strategy.tensor_parallel=16,32", "-m"], cwd=tmp_path)
+    assert proc.returncode == 2 and "every point was skipped (2)" in proc.stderr, proc.stdout + proc.stderr
+    assert [p.name for p in (tmp_path / "runs" / "multirun").iterdir()] == ["older"]
+    (tmp_path / "runs" / "multirun" / "older").rmdir()
+    (tmp_path / "runs" / "multirun").rmdir()
+    proc = launcher(["+cluster=a100x8", "strategy.tensor_parallel=16", "-m"], cwd=tmp_path)
+    assert proc.returncode == 2 and list((tmp_path / "runs").iterdir()) == []
 
 
 def test_missing_local_cluster_names_the_fix(tmp_path):

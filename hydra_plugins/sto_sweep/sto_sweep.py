@@ -17,7 +17,8 @@ Hydra's scanner may execute this module twice: it holds definitions only.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.utils import JobReturn, JobStatus
@@ -64,3 +65,18 @@ class StoSweeper(BasicSweeper):
             return
         super().validate_batch_is_legal(batch)  # another launcher (e.g. submitit_slurm): Hydra's check
 
+
+    def sweep(self, arguments: List[str]) -> Any:
+        """Hydra's sweep; the launcher's session learns whether this invocation made the
+        sweep directory, so a sweep refused whole leaves none behind (launcher.__main__)."""
+        made = Path(str(self.config.hydra.sweep.dir)).absolute() if self.config is not None else None
+        if made is not None and made.exists():
+            made = None
+        while made is not None and not made.parent.exists():  # runs/multirun/... made anew
+            made = made.parent
+        try:
+            return super().sweep(arguments)
+        finally:
+            session = getattr(self.launcher, "session", None)
+            if made is not None and session is not None:
+                session.fresh_sweep_dir = made
