@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 SACCT_FIELDS = ("JobID", "State", "NNodes", "NodeList", "ExitCode", "Partition", "Elapsed")
 # What status and report need from every segment of a job (one row per requeue with -D);
@@ -202,3 +202,85 @@ def slurm_env(slurm_conf: Optional[str]) -> Dict[str, str]:
     if slurm_conf:
         env["SLURM_CONF"] = slurm_conf
     return env
+
+
+# Node states (sinfo %t) a requeued job cannot be placed on.
+UNUSABLE_STATES = ("down", "drain", "drng", "fail", "maint", "futr", "inval", "npc", "pow")
+
+
+def _shielded(cmd: List[str]) -> List[str]:
+    """``cmd`` started with SIGTERM ignored: a job's own task that requeues the job gets
+    SIGTERM from that requeue while its next scontrol call still has to run (the
+    disposition survives exec; SIGKILL follows only after KillWait)."""
+    return ["/bin/sh", "-c", 'trap "" TERM; exec "$@"', "sh", *cmd]
+
+
+def requeue_excluding(job_id: str, exclude: Iterable[str]) -> Tuple[bool, Optional[str]]:
+    """Requeue a running job from inside it with ``exclude`` as its ExcNodeList:
+    (requeued, error): (True, None) when all went well; (True, why) when the job was
+    requeued without the exclusion; (False, why) when it was not requeued.
+
+    Slurm 22.05 refuses ``scontrol update ExcNodeList`` on a running job ("Job is no
+    longer pending execution") and accepts it on a job requeued in held state, even
+    while it is still COMPLETING: hold-requeue, update, release (seen taking about 50 ms
+    in all, done before the requeue's SIGTERM reached the caller). A failed update still
+    releases the job, so it never stays held."""
+    try:
+        _run(_shielded(["scontrol", "requeuehold", job_id]))
+    except (SlurmUnavailable, OSError) as exc:
+        return False, str(exc)
+    error = None
+    try:
+        _run(_shielded(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(sorted(exclude))}"]))
+    except (SlurmUnavailable, OSError) as exc:
+        error = f"requeued without the exclusion: {exc}"
+    try:
+        _run(_shielded(["scontrol", "release", job_id]))
+    except (SlurmUnavailable, OSError) as exc:
+        return True, f"{error + '; ' if error else ''}job left held: `scontrol release {job_id}` failed: {exc}"
+    return True, error
+
+
+def job_fields(job_id: str) -> Dict[str, str]:
+    """``scontrol show job -o``'s KEY=VALUE fields of one job (empty when Slurm does not
+    answer). Values with spaces (Command, Reason) may be cut: read plain fields only."""
+    try:
+        out = _run(["scontrol", "show", "job", "-o", job_id], timeout=15)
+    except (SlurmUnavailable, OSError):
+        return {}
+    fields: Dict[str, str] = {}
+    for token in out.split():
+        key, sep, value = token.partition("=")
+        if sep and key not in fields:
+            fields[key] = value
+    return fields
+
+
+def usable_nodes(partition: str, env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """Node -> its features (sinfo %f) for every node of ``partition`` (comma-separated
+    partitions allowed) whose state lets a job run there (not down, drained, failed...)."""
+    out = _run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t|%f"], env=env)
+    nodes: Dict[str, str] = {}
+    for line in out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 3 and not parts[1].rstrip("*~#!%$@^-").startswith(UNUSABLE_STATES):
+            nodes[parts[0]] = parts[2]
+    return nodes
+
+
+def unresponsive_nodes(nodes: Iterable[str], env: Optional[Dict[str, str]] = None) -> List[str]:
+    """Those of ``nodes`` whose slurmd Slurm sees as down or not responding (sinfo's
+    ``*`` suffix), or that are failing or drained; empty when Slurm does not answer."""
+    names = sorted(set(nodes))
+    if not names:
+        return []
+    try:
+        out = _run(["sinfo", "-h", "-N", "-n", ",".join(names), "-o", "%N|%t"], env=env, timeout=15)
+    except (SlurmUnavailable, OSError):
+        return []
+    bad = set()
+    for line in out.splitlines():
+        name, _, state = line.strip().partition("|")
+        if state.endswith("*") or state.startswith(("down", "fail", "drain", "drng")):
+            bad.add(name)
+    return sorted(bad)

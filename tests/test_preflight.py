@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 
 import pytest
 import torch.multiprocessing as mp
@@ -86,6 +87,8 @@ def test_two_gloo_ranks_report_and_an_outlier_node_is_excluded_on_resume(tmp_pat
     assert [r["rank"] for r in report["ranks"]] == [0, 1] and report["exclude"] is True
     assert all(r["gflops"] > 0 and r["allreduce_gbps"] > 0 for r in report["ranks"])
     assert [o["host"] for o in report["outliers"]] == ["node2"]
+    # no nvidia-smi here: each node's GPU health check skips, and is no reason to fail it
+    assert report["gpu_health"] == {h: {"skipped": "no nvidia-smi on this node"} for h in ("node1", "node2")}
     info = read_run_json(tmp_path)
     assert info["status"] == "failed" and info["failure"] == "preflight_outlier"
     assert info["suspect_nodes"] == ["node2"]
@@ -107,3 +110,6 @@ def test_launcher_run_writes_preflight_json_and_trains(tmp_path):
     assert all(r["gflops"] > 0 and r["allreduce_gbps"] > 0 for r in report["ranks"])
     assert report["threshold"] == 0.7 and len(report["nodes"]) == 1 and report["outliers"] == []
     assert read_run_json(run_dir)["status"] == "completed"
+    facts = json.loads((run_dir / "nodes" / f"{socket.gethostname()}.json").read_text())  # local rank 0 only
+    assert facts["torch"] and facts["cpu_count"] == os.cpu_count() and facts["cuda"] is None
+    assert [p.name for p in (run_dir / "nodes").iterdir()] == [f"{socket.gethostname()}.json"]

@@ -1,22 +1,38 @@
 """What a task's end means for the run: run.json status, failure class, requeue.
 
 Called by :func:`train.harness.run.run_task` for any workload: a raised error is
-``failed`` (with the dead ranks and nodes after a communication error), "completed" is
+``failed`` (with the dead ranks and nodes after a communication error, or this node's
+hardware fault named in the error or the task's stderr), and the job is requeued without
+the blamed nodes while requeues are left (:mod:`train.harness.badnodes`); "completed" is
 ``completed``, "interrupted" (a checkpoint committed after a signal) is counted as a
 preemption or a timeout and requeued unless the cap is reached.
 """
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
+from slurm import query
 from spec.config import RunConfig
 from spec.rundir import Status, update_run_json
 from train.harness import preempt
 from train.harness.preempt import PreemptionFlag
+from train.harness import health
+from train.harness.badnodes import ELSEWHERE, REQUEUED, requeue_without_suspects
 from train.harness.watchdog import classify_failure
+
+# This task's stderr and its size when the harness started: faults are looked for in this
+# segment's lines only (submitit appends every segment to one file).
+_STDERR_START: Dict[Optional[str], int] = {}
+
+
+def mark_stderr(run_dir: Path) -> None:
+    """Remember where this segment's stderr starts (called when the task starts)."""
+    path = health.stderr_path(str(run_dir))
+    _STDERR_START[path] = health.log_offset(path)
 
 
 def is_comm_error(exc: BaseException) -> bool:
@@ -25,26 +41,71 @@ def is_comm_error(exc: BaseException) -> bool:
         "Connection closed by peer", "Connection reset", "gloo", "NCCL", "Broken pipe", "timed out"))
 
 
+# Which recorded failure stands when several ranks record one: a more specific cause is
+# not replaced by a rank's echo of it (its peers' communication errors).
+FAILURE_RANK = {None: 0, "communication": 1, "rank_failure": 2, "node_failure": 3, "hardware_fault": 3,
+                "preflight_outlier": 4, "hang": 5}
+
+
+def outranks(current: Any, new: Any) -> bool:
+    """Does the recorded ``current`` failure class stand against ``new``? Pure."""
+    return FAILURE_RANK.get(current, 3) > FAILURE_RANK.get(new, 3)
+
+
 def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int, log: logging.Logger,
                    heartbeat_s: float = 1.0) -> None:
-    """The workload raised ``exc`` on this rank: say so in run.json (the caller re-raises).
-    ``heartbeat_s``: the ranks' heartbeat interval (0: none, no classification)."""
+    """The workload raised ``exc`` on this rank: say so in run.json (the caller re-raises),
+    then requeue the job without the nodes the failure blames, or end it
+    (:mod:`train.harness.badnodes`). ``heartbeat_s``: the ranks' heartbeat interval
+    (0: none, no classification)."""
     import traceback
 
     log.error("training failed: %s\n%s", exc, traceback.format_exc())
     fields: Dict[str, Any] = {"status": Status.FAILED, "error": f"{type(exc).__name__}: {str(exc)[:500]}",
                               "ended_at": time.time()}
+    job = preempt.in_slurm_job()
     if is_comm_error(exc):  # a peer died or the network broke: find out which
         fields.update(classify_failure(run_dir, world_size, heartbeat_s))
+        fields.update(slurmd_down(fields) if job else {})
         log.error("failure classified: %s", fields)
+    fields.update(hardware_fields(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", run_dir, fields))
     if rank == 0 or "failure" in fields:  # rank 0 may be the one that died
-        # A hang already recorded is the cause: a rank's error after it (its peers exited
-        # with the watchdog's status) must not replace it.
-        update_run_json(run_dir, unless=lambda info: info.get("failure") == "hang", **fields)
-    if fields.get("failure") == "node_failure" and preempt.in_slurm_job():
+        # A hang or a node's fault already recorded is the cause: a rank's error after it
+        # (its peers' broken connections) must not replace it.
+        update_run_json(run_dir, unless=lambda info: outranks(info.get("failure"), fields.get("failure")), **fields)
+    if job is None:
+        return
+    if requeue_without_suspects(run_dir, log.error, job) in (REQUEUED, ELSEWHERE):
+        return
+    if fields.get("failure") == "node_failure":
         # Slurm notices a dead node only after SlurmdTimeout; until then the job would
         # hold the surviving nodes. End it now: the run is resumable elsewhere.
-        preempt.cancel(preempt.in_slurm_job())
+        preempt.cancel(job)
+
+
+def slurmd_down(fields: Dict[str, Any]) -> Dict[str, Any]:
+    """Dead ranks whose node's slurmd Slurm already sees down (not responding, failing,
+    drained) make a node failure even when some of its ranks still beat."""
+    if fields.get("failure") != "rank_failure" or not fields.get("dead_hosts"):
+        return {}
+    down = query.unresponsive_nodes(fields["dead_hosts"])
+    return {"failure": "node_failure", "suspect_nodes": down, "slurmd_down": down} if down else {}
+
+
+def hardware_fields(text: str, run_dir: Path, fields: Dict[str, Any]) -> Dict[str, Any]:
+    """A hardware fault of this node named in the error or in this segment's stderr:
+    ``failure: hardware_fault`` with this node as suspect (``fault`` holds the line).
+    Not looked for when peers died: this rank's errors are then their echo."""
+    if fields.get("dead_ranks") or fields.get("failure") == "node_failure":
+        return {}
+    path = health.stderr_path(str(run_dir))
+    fault = health.hardware_fault(text + "\n" + health.read_tail(path, _STDERR_START.get(path, 0)))
+    if fault is None:
+        return {}
+    if not fault["local"]:
+        return {"fault": fault}
+    host = socket.gethostname()
+    return {"failure": "hardware_fault", "suspect_nodes": [host], "fault": dict(fault, host=host)}
 
 
 def record_hang(run_dir: Path, report: Dict[str, Any]) -> None:

@@ -11,10 +11,15 @@ Enabled by ``train.preflight=true``. Every rank, right after joining the process
 A node's value is the minimum over its ranks (the slowest GPU sets the pace of a
 synchronous step). A node is an *outlier* when its compute or bandwidth is below
 ``train.preflight_outlier`` x the median over nodes; ranks are compared with the median
-over ranks the same way (reported, not acted upon). Rank 0 writes ``RUN_DIR/preflight.json``
+over ranks the same way (reported, not acted upon). Local rank 0 of each node also checks
+its GPUs' health when the node has ``nvidia-smi`` (uncorrected ECC errors, retired pages,
+row remapping, critical Xids: :func:`train.harness.health.gpu_health`; ``skipped`` on a
+node without it): a node with unhealthy GPUs is an outlier too. Rank 0 writes ``RUN_DIR/preflight.json``
 and logs one line. With ``train.preflight_exclude=true`` and outlier nodes, rank 0 records
 them in run.json (``failure: preflight_outlier``, ``suspect_nodes``) and every rank raises
-:class:`PreflightError`; ``python -m launcher.resume RUN_DIR`` then excludes those nodes.
+:class:`PreflightError`; while requeues are left rank 0 first requeues the job without
+those nodes (:mod:`train.harness.badnodes`), else ``python -m launcher.resume RUN_DIR``
+excludes them.
 
 The world all-reduce runs at the pace of the slowest link, so its per-rank numbers are
 close to each other: it catches a slow job-wide fabric (compare with the cluster's
@@ -83,6 +88,17 @@ def find_outliers(ranks: List[Dict[str, Any]], threshold: float) -> Dict[str, An
             "outliers": outliers, "rank_outliers": rank_outliers}
 
 
+def add_unhealthy(result: Dict[str, Any], nodes_health: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """``result`` of :func:`find_outliers` with the nodes whose GPUs are unhealthy
+    (:func:`train.harness.health.gpu_health`) among the outliers. Pure."""
+    outliers = {o["host"]: o for o in result["outliers"]}
+    for host, health in sorted(nodes_health.items()):
+        reasons = list(health.get("unhealthy") or [])
+        if reasons:
+            outliers.setdefault(host, {"host": host, "reasons": []})["reasons"].extend(reasons)
+    return dict(result, outliers=list(outliers.values()))
+
+
 def measure(device, world_size: int, small: bool) -> Dict[str, Optional[float]]:
     """This rank's matmul GFLOP/s and world all-reduce bus bandwidth (GB/s)."""
     import torch
@@ -122,17 +138,23 @@ def run_preflight(ctx, run_dir: Path, threshold: float, exclude: bool, log: Call
     """Measure on every rank, write preflight.json (rank 0), stop the job on outliers if asked."""
     import torch.distributed as dist
 
+    from train.harness.badnodes import requeue_without_suspects
     from train.harness.dist import shutdown
+    from train.harness.health import gpu_health
+    from train.harness.preempt import in_slurm_job
     from spec.rundir import Status, update_run_json
 
     t0 = time.time()
     mine = {"rank": ctx.rank, "host": ctx.hostname, "node": ctx.node_rank, "local_rank": ctx.local_rank,
             **measure(ctx.device, ctx.world_size, small=ctx.device.type != "cuda")}
+    health = gpu_health() if ctx.local_rank == 0 else None  # one nvidia-smi per node
     ranks: List[Any] = [None] * ctx.world_size
-    dist.all_gather_object(ranks, mine)
-    result = find_outliers(ranks, threshold)
+    dist.all_gather_object(ranks, dict(mine, gpu_health=health))
+    nodes_health = {r["host"]: r.pop("gpu_health") for r in ranks if r.get("gpu_health") is not None}
+    result = add_unhealthy(find_outliers(ranks, threshold), nodes_health)
     report = {"time": t0, "seconds": time.time() - t0, "device": str(ctx.device.type), "backend": ctx.backend,
-              "world_size": ctx.world_size, "threshold": threshold, "exclude": exclude, "ranks": ranks, **result}
+              "world_size": ctx.world_size, "threshold": threshold, "exclude": exclude, "ranks": ranks,
+              **result, "gpu_health": nodes_health}
     bad = [o["host"] for o in result["outliers"]]
     if ctx.is_main:
         (run_dir / PREFLIGHT_JSON).write_text(json.dumps(report, indent=1) + "\n")
@@ -145,9 +167,10 @@ def run_preflight(ctx, run_dir: Path, threshold: float, exclude: bool, log: Call
         reasons = "; ".join(f"{o['host']}: {', '.join(o['reasons'])}" for o in result["outliers"])
         message = (f"preflight marked outlier nodes {', '.join(bad)} ({reasons}); `python -m launcher.resume "
                    f"{run_dir}` excludes them (or set train.preflight_exclude=false)")
+        shutdown()
         if ctx.is_main:
             update_run_json(run_dir, status=Status.FAILED, failure=FAILURE, suspect_nodes=bad, error=message,
                             ended_at=time.time())
-        shutdown()
+            requeue_without_suspects(run_dir, log, in_slurm_job())  # while requeues are left
         raise PreflightError(message)
     return report

@@ -26,7 +26,8 @@ from spec.config import RunConfig, to_run_config
 from spec.validate import WATCHDOG_GRACE_S, validate
 from spec.layout import Layout, build_layout
 from spec.rundir import CONFIG, MetricsRow, Status, append_metrics, read_run_json, status_of, update_run_json
-from train.harness.outcome import record_failure, record_hang, record_outcome
+from train.harness.node_facts import write_node_facts
+from train.harness.outcome import mark_stderr, record_failure, record_hang, record_outcome
 from train.harness.preempt import PreemptionFlag
 from train.harness.watchdog import Watchdog, heartbeat_interval
 
@@ -138,6 +139,12 @@ def _claim(cfg: RunConfig, layout: Layout, ctx, run_dir: Path, log: logging.Logg
                         world_size=ctx.world_size, nodes=len(hostnames), segments=int(info[0].get("segments", 0)) + 1,
                         strategy=cfg.strategy.name, launcher=ctx.launcher, backend=ctx.backend,
                         started_at=time.time(), restart_count=ctx.restart_count, error=None, failure=None)
+    mark_stderr(run_dir)  # a hardware fault is looked for in this segment's stderr only
+    if ctx.local_rank == 0:  # each node's torch, CUDA, driver, NCCL, GPUs: RUN_DIR/nodes/<host>.json
+        try:
+            write_node_facts(run_dir, ctx.hostname)
+        except Exception as exc:  # noqa: BLE001 - a record, never a reason to fail
+            log.info(f"node facts not written: {exc}")
     if cfg.train.preflight:  # on outlier nodes with preflight_exclude: records them, raises PreflightError
         from train.harness.preflight import run_preflight
         run_preflight(ctx, run_dir, cfg.train.preflight_outlier, cfg.train.preflight_exclude, log.info)

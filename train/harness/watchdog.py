@@ -67,7 +67,7 @@ def classify_failure(run_dir: Path, world_size: int, interval_s: float = 1.0) ->
     heartbeats (interval 0) nothing can be told apart: a communication failure.
     """
     if interval_s <= 0:
-        return {"failure": "communication", "dead_ranks": [], "suspect_nodes": []}
+        return {"failure": "communication", "dead_ranks": [], "suspect_nodes": [], "dead_hosts": []}
     time.sleep(3 * interval_s)  # let live ranks publish a fresh beat
     now = time.time()
     beats = read_beats(run_dir, world_size)
@@ -77,7 +77,8 @@ def classify_failure(run_dir: Path, world_size: int, interval_s: float = 1.0) ->
         hosts.setdefault(b.get("host", "?"), []).append(b in dead)
     nodes = sorted(h for h, states in hosts.items() if all(states) and h != "?")
     kind = "node_failure" if nodes else ("rank_failure" if dead else "communication")
-    return {"failure": kind, "dead_ranks": sorted(b["rank"] for b in dead), "suspect_nodes": nodes}
+    return {"failure": kind, "dead_ranks": sorted(b["rank"] for b in dead), "suspect_nodes": nodes,
+            "dead_hosts": sorted({b.get("host", "?") for b in dead} - {"?"})}
 
 
 def dump_nccl_trace(path: Path) -> Optional[str]:

@@ -1,0 +1,226 @@
+"""Bad-node handling without a cluster: hardware-fault patterns, nvidia-smi parsing, the
+GPU health check, per-node facts, and the automatic requeue's decisions and Slurm calls
+(Slurm faked at slurm.query). The end-to-end test with a killed node is in
+tests/test_node_failure.py."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+
+import pytest
+
+from slurm import query
+from spec.rundir import read_run_json, update_run_json
+from train.harness import badnodes, health
+from train.harness.outcome import outranks, record_failure
+from train.harness.preflight import add_unhealthy
+
+# `nvidia-smi --query-gpu=<health.GPU_FIELDS> --format=csv,noheader,nounits` as an H100
+# node prints it (H100 retires no pages: it remaps rows, so those cells are [N/A]); GPU 1
+# has uncorrected ECC errors.
+SMI_H100 = """\
+0, NVIDIA H100 80GB HBM3, 00000000:18:00.0, 550.54.15, 81559, Enabled, 0, 0, [N/A], [N/A], 31
+1, NVIDIA H100 80GB HBM3, 00000000:2A:00.0, 550.54.15, 81559, Enabled, 12, 2, [N/A], [N/A], 33
+"""
+REMAP_H100 = """\
+00000000:18:00.0, No, No
+00000000:2A:00.0, Yes, No
+"""
+# An older GPU with page retirement and ECC off; nvidia-smi's error for an unknown field.
+SMI_V100 = "0, Tesla V100-SXM2-16GB, 00000000:06:00.0, 470.82.01, 16160, Disabled, [N/A], [N/A], 0, No, 40\n"
+SMI_BAD_FIELD = 'Field "remapped_rows.pending" is not a valid field to query.\n'
+DMESG = """\
+[  12.1] nvidia-nvlink: Nvlink Core is being initialized
+[8812.3] NVRM: Xid (PCI:0000:2a:00): 13, pid=1234, name=python, Graphics Exception: ESR 0x50
+[9001.0] NVRM: Xid (PCI:0000:2a:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.
+"""
+
+
+@pytest.mark.parametrize("text,kind,local", [
+    ("RuntimeError: CUDA error: uncorrectable ECC error encountered\nCUDA kernel errors might be ...",
+     "gpu_ecc", True),
+    ("[9001.0] NVRM: Xid (PCI:0000:2a:00): 79, pid=1, GPU has fallen off the bus.", "gpu_xid", True),
+    ("node3:123:456 [0] NCCL INFO ...\ntorch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970,"
+     " unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5", "nccl_system", True),
+    ("node3:1:2 [1] NCCL WARN NET/IB : Got completion from peer 10.0.0.4<53622> with error 12, opcode 0",
+     "nccl_system", True),
+    ("DistBackendError: NCCL error: remote process exited or there was a network error, NCCL version 2.21.5",
+     "nccl_remote", False),
+    ("DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error (run with NCCL_DEBUG=INFO"
+     " for details), NCCL version 2.21.5\nncclSystemError: System call (e.g. socket, malloc) or external library call"
+     " failed or device error.\nLast error:\nsocket recv: Connection closed by remote peer node2<4567>",
+     "nccl_remote", False),  # a survivor's view of a dead peer: not this node's fault
+    ("NCCL WARN Connection closed by remote peer\n[1.0] NVRM: Xid (PCI:0000:18:00): 48, DBE", "gpu_xid", True),
+])
+def test_hardware_fault_names_the_fault_and_whose_it_is(text, kind, local):
+    fault = health.hardware_fault(text)
+    assert fault is not None and (fault["kind"], fault["local"]) == (kind, local)
+    assert fault["line"] in text
+
+
+@pytest.mark.parametrize("text", [
+    "RuntimeError: Connection closed by peer [127.0.0.1]:29500",  # gloo: a peer died, no hardware named
+    "ValueError: fault.raise_at_step=3 reached",
+    "CUDA out of memory. Tried to allocate 2.00 GiB",
+    "",
+])
+def test_no_hardware_fault_in_ordinary_errors(text):
+    assert health.hardware_fault(text) is None
+
+
+def test_gpu_query_parsing_and_health_reasons():
+    gpus = health.parse_gpu_query(SMI_H100 + SMI_BAD_FIELD, health.GPU_FIELDS)
+    assert [g["index"] for g in gpus] == [0, 1]  # the error line is not a row
+    assert gpus[0]["name"] == "NVIDIA H100 80GB HBM3" and gpus[0]["memory.total"] == 81559
+    assert gpus[0]["ecc.mode.current"] is True and gpus[1]["ecc.errors.uncorrected.volatile.total"] == 2
+    assert gpus[0]["retired_pages.pending"] is None
+    assert health.unhealthy_reasons(gpus[:1]) == []
+    remap = health.parse_gpu_query(REMAP_H100, health.REMAP_FIELDS)
+    gpus[1].update(remap[1])
+    xids = health.parse_xids(DMESG)
+    assert xids == {"0000:2a:00": [13, 79]}
+    assert health.unhealthy_reasons(gpus, xids) == [
+        "GPU 1: 2 uncorrected ECC errors", "GPU 1: row remapping pending (needs a reset)",
+        "PCI 0000:2a:00: Xid 79 in the kernel log"]  # Xid 13 (a program's fault) is not held against it
+    old = health.parse_gpu_query(SMI_V100, health.GPU_FIELDS)
+    assert old[0]["ecc.errors.uncorrected.volatile.total"] is None and old[0]["retired_pages.pending"] is False
+    assert health.unhealthy_reasons(old) == []
+
+
+def test_gpu_health_skips_without_nvidia_smi_and_reads_a_fake_one(tmp_path, monkeypatch):
+    assert health.gpu_health("no-such-nvidia-smi") == {"skipped": "no nvidia-smi on this node"}
+    smi = tmp_path / "nvidia-smi"  # answers like the real one: the remap query, else the GPU query
+    smi.write_text(f"#!/bin/sh\ncase \"$1\" in --query-remapped-rows*) printf '{REMAP_H100}';;\n"
+                   f"*) printf '{SMI_H100}';; esac\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(health, "kernel_xids", lambda: None)  # dmesg: unreadable here
+    report = health.gpu_health(str(smi))
+    assert report["xids"] is None and len(report["gpus"]) == 2
+    assert report["unhealthy"] == ["GPU 1: 2 uncorrected ECC errors", "GPU 1: row remapping pending (needs a reset)"]
+
+
+def test_unhealthy_nodes_join_the_preflight_outliers():
+    result = {"outliers": [{"host": "n1", "reasons": ["gflops 1 < 0.7 x median 3"]}], "nodes": []}
+    health_by_node = {"n1": {"unhealthy": ["GPU 0: 1 uncorrected ECC errors"]}, "n2": {"skipped": "no nvidia-smi"},
+                      "n3": {"unhealthy": ["GPU 3: row remapping failed"]}, "n4": {"unhealthy": []}}
+    out = add_unhealthy(result, health_by_node)
+    assert out["outliers"] == [{"host": "n1", "reasons": ["gflops 1 < 0.7 x median 3", "GPU 0: 1 uncorrected ECC errors"]},
+                               {"host": "n3", "reasons": ["GPU 3: row remapping failed"]}]
+
+
+def test_node_facts_on_a_cpu_node(tmp_path):
+    from train.harness.node_facts import write_node_facts
+
+    path = write_node_facts(tmp_path, "nodeX")
+    facts = json.loads(path.read_text())
+    assert path == tmp_path / "nodes" / "nodeX.json"
+    assert facts["host"] == "nodeX" and facts["cpu_count"] == os.cpu_count() and facts["torch"]
+    assert facts["cuda"] is None and facts["nccl"] is None and facts["driver"] is None and facts["gpu_count"] == 0
+
+
+def test_plan_exclusion_and_the_nodes_left():
+    info = {"failure": "node_failure", "suspect_nodes": ["n2"], "excluded_nodes": ["n7"], "requeues_since_submit": 1}
+    plan = badnodes.plan_exclusion(info, "n[4-5]", max_requeues=3)
+    assert plan["excluded"] == ["n2", "n4", "n5", "n7"] and plan["nodes"] == ["n2"] and not plan["capped"]
+    assert badnodes.plan_exclusion(dict(info, requeues_since_submit=3), None, 3)["capped"]
+    assert badnodes.plan_exclusion(dict(info, failure="rank_failure"), None, 3) is None
+    assert badnodes.plan_exclusion(dict(info, suspect_nodes=[]), None, 3) is None
+    usable = {"n1": "pair1", "n2": "pair1", "n3": "pair2", "n4": "pair2,big"}
+    assert badnodes.nodes_left(2, usable, ["n2"]) == ["n1", "n3", "n4"]
+    assert badnodes.nodes_left(2, usable, ["n2"], "pair1") == ["n1"]
+    assert badnodes.nodes_left(2, usable, ["n2"], "pair1|pair2") == ["n1", "n3", "n4"]  # not parsed: not filtered
+
+
+def fake_slurm(monkeypatch, fail=()):
+    """query._run answering scontrol; records the commands (unshielded)."""
+    calls = []
+
+    def run(cmd, env=None, timeout=30):
+        if cmd[:2] == ["/bin/sh", "-c"]:
+            assert cmd[2] == 'trap "" TERM; exec "$@"'  # survives the requeue's SIGTERM
+            cmd = cmd[4:]
+        calls.append(cmd)
+        if cmd[1] in fail:
+            raise query.SlurmUnavailable(f"scontrol {cmd[1]} failed: Job is no longer pending execution")
+        if cmd[:3] == ["scontrol", "show", "job"]:
+            return "JobId=7 JobName=x Partition=debug NumNodes=2-2 Features=(null) ExcNodeList=(null)\n"
+        if cmd[0] == "sinfo":
+            return "node1|alloc|pair1\nnode2|alloc*|pair1\nnode3|idle|pair2\nnode4|down*|pair2\n"
+        return ""
+    monkeypatch.setattr(query, "_run", run)
+    return calls
+
+
+def test_requeue_excluding_holds_updates_and_always_releases(monkeypatch):
+    calls = fake_slurm(monkeypatch)
+    assert query.requeue_excluding("7", ["n3", "n2"]) == (True, None)
+    assert calls == [["scontrol", "requeuehold", "7"], ["scontrol", "update", "JobId=7", "ExcNodeList=n2,n3"],
+                     ["scontrol", "release", "7"]]
+    calls = fake_slurm(monkeypatch, fail=("update",))
+    requeued, error = query.requeue_excluding("7", ["n2"])
+    assert requeued and "without the exclusion" in error and calls[-1] == ["scontrol", "release", "7"]
+    calls = fake_slurm(monkeypatch, fail=("requeuehold",))
+    assert query.requeue_excluding("7", ["n2"])[0] is False and len(calls) == 1
+
+
+def run_dir_with(tmp_path, max_requeues=3, **info):
+    from spec.config import RunConfig, to_yaml
+
+    cfg = RunConfig()
+    cfg.cluster.backend, cfg.cluster.max_requeues = "slurm", max_requeues
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    update_run_json(tmp_path, status="failed", segments=1, **info)
+    return tmp_path
+
+
+def test_one_rank_requeues_without_the_dead_node(tmp_path, monkeypatch):
+    from spec.config import to_run_config
+
+    calls = fake_slurm(monkeypatch)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    run_dir = run_dir_with(tmp_path, failure="node_failure", suspect_nodes=["node2"], error="RuntimeError: peer")
+    said = []
+    assert badnodes.requeue_without_suspects(run_dir, said.append, "7") == badnodes.REQUEUED
+    assert badnodes.requeue_without_suspects(run_dir, said.append, "7") == badnodes.ELSEWHERE  # claimed once
+    info = read_run_json(run_dir)
+    assert info["status"] == "requeued" and info["excluded_nodes"] == ["node2"] and info["fault_requeues"] == 1
+    assert info["requeues_since_submit"] == 1 and info["last_interruption"] == "node_failure"
+    [entry] = info["node_exclusions"]
+    assert entry["nodes"] == ["node2"] and entry["reason"] == "node failure" and entry["job_id"] == "7"
+    assert to_run_config(run_dir / "config.yaml").cluster.exclude == "node2"
+    assert ["scontrol", "update", "JobId=7", "ExcNodeList=node2"] in calls
+    assert "requeueing job 7 without node2" in said[0]
+
+
+def test_no_requeue_at_the_cap_or_without_enough_nodes(tmp_path, monkeypatch):
+    calls = fake_slurm(monkeypatch)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    capped = run_dir_with(tmp_path / "a", max_requeues=2, failure="node_failure", suspect_nodes=["node2"],
+                          requeues_since_submit=2)
+    why = badnodes.requeue_without_suspects(capped, lambda s: None, "7")
+    assert "cluster.max_requeues=2 reached" in why and read_run_json(capped)["status"] == "failed"
+    assert "not requeued" in read_run_json(capped)["auto_requeue"]
+    # node4 is down: without node2 and node3 only node1 is left for a 2-node job
+    short = run_dir_with(tmp_path / "b", failure="hardware_fault", suspect_nodes=["node2", "node3"])
+    why = badnodes.requeue_without_suspects(short, lambda s: None, "7")
+    assert why.startswith("only 1 usable node(s) of partition debug") and read_run_json(short)["status"] == "failed"
+    assert not any(c[:2] == ["scontrol", "requeuehold"] for c in calls)
+
+
+def test_a_crash_naming_this_nodes_gpu_blames_this_node(tmp_path, monkeypatch):
+    import logging
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    log = logging.getLogger("test_badnodes")
+    record_failure(RuntimeError("CUDA error: uncorrectable ECC error encountered"), tmp_path, 3, 4, log, 0)
+    info = read_run_json(tmp_path)
+    assert info["failure"] == "hardware_fault" and info["suspect_nodes"] == [socket.gethostname()]
+    assert info["fault"]["kind"] == "gpu_ecc"
+    # a peer's broken connection after it does not replace the cause
+    record_failure(RuntimeError("Connection closed by peer"), tmp_path, 0, 4, log, 0)
+    assert read_run_json(tmp_path)["failure"] == "hardware_fault"
+    assert outranks("hang", "node_failure") and not outranks("rank_failure", "hardware_fault")
