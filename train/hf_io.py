@@ -26,17 +26,11 @@ from torch import nn
 
 from spec.config import ModelConfig
 from spec.hf import CONFIG, INDEX, hf_config, hf_name
+# DeepSpeed's parameter names keep the wrappers' (DCP's get_state_dict drops them)
+from train.model import clean_name
 
-# Wrappers whose names DeepSpeed's parameter names keep (DCP's get_state_dict drops them).
-_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 GENERATION = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def _clean(name: str) -> str:
-    for w in _WRAPPERS:
-        name = name.replace(w, "")
-    return name
 
 
 def _source_name(ours: str, tied: bool) -> str:
@@ -106,7 +100,7 @@ def deepspeed_source(ckpt: Path) -> Tuple[Dict[str, Tuple[Tuple[int, ...], torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     lazy = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "deepspeed"), tag="state", lazy_mode=True)
-    by_name = {_clean(k): v for k, v in lazy.items()}
+    by_name = {clean_name(k): v for k, v in lazy.items()}
     shapes = {name: (tuple(v.shape), torch.float32) for name, v in by_name.items()}
 
     def read(names: List[str]) -> Dict[str, torch.Tensor]:

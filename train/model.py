@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from spec.config import ModelConfig, RopeScaling
 # Pure size arithmetic lives in spec/model_size.py so the torch-free planner shares it.
@@ -116,6 +116,82 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+# Wrappers whose names a parameter's path may hold (activation checkpointing, compile, DDP).
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def clean_name(name: str) -> str:
+    """``layers.0._checkpoint_wrapped_module.attention.wq.weight`` -> the plain model's name."""
+    for w in WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def initial_std(cfg: ModelConfig, name: str) -> Optional[float]:
+    """The standard deviation a weight is drawn with; None: a norm's weight, set to ones."""
+    if name.endswith("norm.weight"):
+        return None
+    if name == "tok_embeddings.weight":
+        return 1.0 if not cfg.tie_embeddings else 0.02
+    if name == "output.weight":
+        return cfg.dim ** -0.5
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        return 0.02 / math.sqrt(2 * cfg.n_layers)
+    return 0.02
+
+
+def initial_tensor(cfg: ModelConfig, name: str, shape: tuple, seed: int,
+                   rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """The initial value of weight ``name`` (fp32, CPU), the same for every layout; with
+    ``rows`` = (lo, hi) only those rows of it, drawn without the rest (see :func:`_row_chunks`)."""
+    std = initial_std(cfg, name)
+    lo, hi = rows if rows is not None else (0, shape[0])
+    if std is None:
+        return torch.ones((hi - lo, *shape[1:]))
+    gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if rows is None:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std)
+    row = math.prod(shape[1:])
+    kept = []
+    for start, end in _row_chunks(shape[0], row):
+        if start >= hi:
+            break  # the rest of the stream is other ranks' rows
+        chunk = torch.randn((end - start, *shape[1:]), generator=gen, dtype=torch.float32)
+        if end > lo:
+            kept.append(chunk[max(lo, start) - start:min(hi, end) - start])
+    return torch.cat(kept).mul_(std) if kept else torch.empty((0, *shape[1:]))
+
+
+def _row_chunks(n_rows: int, row: int, target: int = 1 << 22) -> Iterator[Tuple[int, int]]:
+    """Row ranges of about ``target`` elements whose draws, one after another from one
+    generator, equal one draw of the whole tensor: CPU ``normal_`` fills blocks of 16
+    values, so every chunk but the last holds a multiple of 16 values, and the last at
+    least 16 (a shorter tail joins the chunk before it)."""
+    step = max(16, target // max(row, 1) // 16 * 16)
+    start = 0
+    while start < n_rows:
+        end = min(start + step, n_rows)
+        if (n_rows - end) * row < 16:
+            end = n_rows
+        yield start, end
+        start = end
+
+
+def local_rows(t: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """The rows (lo, hi) of the full tensor that a DTensor sharded on dim 0 over one mesh
+    dimension (FSDP, HSDP) holds here; None for any other layout (TP's, 2-D)."""
+    if not isinstance(t, DTensor):
+        return None
+    sharded = [(i, p) for i, p in enumerate(t.placements) if not p.is_replicate()]
+    if len(sharded) != 1 or type(sharded[0][1]) is not Shard or sharded[0][1].dim != 0:
+        return None
+    mesh_dim = sharded[0][0]
+    n, k = t.shape[0], t.device_mesh.size(mesh_dim)
+    size = -(-n // k)  # DTensor's even sharding: torch.chunk's sizes
+    lo = min(t.device_mesh.get_local_rank(mesh_dim) * size, n)
+    return lo, min(lo + size, n)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -138,37 +214,23 @@ class Transformer(nn.Module):
         Each weight draws from its own generator, seeded by ``seed`` and the weight's name
         in the full model (``layers.3.attention.wq.weight``), so a pipeline stage that
         holds only some modules, a sharded DTensor and an unsharded single-process model
-        all get the very same values for the weights they hold.
+        all get the very same values for the weights they hold (:func:`initial_tensor`).
         """
-        cfg = self.cfg
-
-        def normal_(name: str, t: torch.Tensor, std: float) -> None:
-            gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full = torch.randn(t.shape, generator=gen, dtype=torch.float32).mul_(std).to(t.dtype)
-            if isinstance(t, DTensor):
-                # Sharded (FSDP / TP): every rank draws the full tensor and keeps its own
-                # piece (no communication).
-                full = distribute_tensor(full.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
-            t.copy_(full)
-
-        if self.tok_embeddings is not None:
-            device = device or self.tok_embeddings.weight.device
-            normal_("tok_embeddings.weight", self.tok_embeddings.weight, 1.0 if not cfg.tie_embeddings else 0.02)
-        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
-        for key, layer in self.layers.items():
-            attn, ffn = layer.attention, layer.feed_forward
-            for name, lin in (("attention.wq", attn.wq), ("attention.wk", attn.wk), ("attention.wv", attn.wv),
-                              ("feed_forward.w1", ffn.w1), ("feed_forward.w3", ffn.w3)):
-                normal_(f"layers.{key}.{name}.weight", lin.weight, 0.02)
-            normal_(f"layers.{key}.attention.wo.weight", attn.wo.weight, out_std)
-            normal_(f"layers.{key}.feed_forward.w2.weight", ffn.w2.weight, out_std)
-            layer.attention_norm.reset_parameters()
-            layer.ffn_norm.reset_parameters()
-            device = device or attn.wq.weight.device
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None and not cfg.tie_embeddings:
-            normal_("output.weight", self.output.weight, cfg.dim ** -0.5)
+        for name, param in self.named_parameters():
+            t = param.data
+            rows = local_rows(t)
+            if rows is not None:  # FSDP / HSDP: draw only up to this rank's rows, keep them
+                local = t.to_local()
+                local.copy_(initial_tensor(self.cfg, clean_name(name), tuple(t.shape), seed, rows)
+                            .to(local.dtype).reshape(local.shape))
+            else:
+                full = initial_tensor(self.cfg, clean_name(name), tuple(t.shape), seed).to(t.dtype)
+                if isinstance(t, DTensor):
+                    # TP (and 2-D): every rank draws the full tensor and keeps its own
+                    # piece (no communication).
+                    full = distribute_tensor(full.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+                t.copy_(full)
+            device = device or t.device
         self.init_buffers(device)
 
     def init_buffers(self, device: torch.device) -> None:

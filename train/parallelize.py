@@ -5,7 +5,8 @@
 3. torch.compile per block (compiles the checkpointed, TP-sharded block),
 4. the builder's ``wrap``: FSDP shards the meta model (DDP and DeepSpeed wait),
 5. materialise and initialise every model part once, or load a Hugging Face checkpoint
-   into it (:func:`train.model.materialise`),
+   into it (the builder's ``materialise``: :func:`train.model.materialise`; DeepSpeed's
+   ZeRO-3 builds its model partitioned and fills it one gathered parameter at a time),
 6. the builder's ``finish``: DDP / ``deepspeed.initialize``, optimizers, the engine.
 
 With pipeline parallel the model is first split into stages and every stage goes
@@ -21,7 +22,7 @@ from spec.layout import Layout
 from spec.support import check_supported
 from train.harness.dist import DistContext
 from train.mesh import build_mesh
-from train.model import Transformer, materialise
+from train.model import Transformer
 from train.strategies import get_builder
 from train.strategies.base import Engine, EngineBuilder
 from train.strategies.tp import apply_tp
@@ -55,15 +56,18 @@ def make_builder(cfg: RunConfig, layout: Layout, ctx: DistContext) -> EngineBuil
 def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext) -> Engine:
     """Steps 1-6 above on ``model`` (on the meta device)."""
     builder = make_builder(cfg, layout, ctx)
+    vocab_parallel = layout.tp_enabled and not layout.pp_enabled
 
     def prepare(part: Transformer) -> None:
         """Steps 1-3 on the whole model, or on one pipeline stage."""
         if layout.tp_enabled:
-            apply_tp(part, builder.mesh["tp"])
+            apply_tp(part, builder.mesh["tp"], vocab_parallel=vocab_parallel)
         apply_activation_checkpointing(part, cfg.strategy.activation_checkpointing)
         if cfg.strategy.compile:
             apply_compile(part)
 
     parts = builder.wrap(model, prepare)
-    materialise(parts, cfg.train.seed, ctx.device, cfg.model.hf_path)
-    return builder.finish(parts)
+    builder.materialise(parts, cfg.model.hf_path)
+    engine = builder.finish(parts)
+    engine.loss_parallel = vocab_parallel  # TorchEngine computes the loss under loss_parallel
+    return engine

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tupl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from spec.config import OptimConfig, RunConfig
 from spec.layout import Layout
@@ -43,9 +44,13 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
-    """Weight decay on matrices only (not norms or biases)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    """Weight decay on matrices only (not norms or biases). A parameter partitioned by
+    ``deepspeed.zero.Init`` is an empty tensor whose real shape is ``ds_shape``."""
+    def matrix(p: nn.Parameter) -> bool:
+        return len(getattr(p, "ds_shape", p.shape)) >= 2
+
+    decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
+    other = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
 
 
@@ -111,6 +116,13 @@ class EngineBuilder:
     def shard(self, model: nn.Module) -> None:
         """Sharding that must happen on the meta model (FSDP); none by default."""
 
+    def materialise(self, parts: List[nn.Module], hf_path: Optional[str]) -> None:
+        """Phase 2: allocate the parts and fill them (initial weights or a Hugging Face
+        checkpoint): :func:`train.model.materialise`, unless the builder built them itself."""
+        from train.model import materialise
+
+        materialise(parts, self.cfg.train.seed, self.ctx.device, hf_path)
+
     def finish(self, parts: List[nn.Module]) -> Engine:
         """Phase 3 (parts materialised and initialised): wrap, build optimizers, return the engine."""
         raise NotImplementedError
@@ -153,7 +165,11 @@ class TorchEngine(DCPState):
     """Forward/backward over the micro-batches of one step, clip, optimizer step.
 
     ``no_sync`` (DDP) skips the gradient all-reduce for all but the last micro-batch.
+    ``loss_parallel`` (set by train.parallelize under tensor parallel): the logits are
+    sharded over the vocabulary and the loss is computed vocab-parallel.
     """
+
+    loss_parallel = False
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig,
                  device: torch.device, no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None):
@@ -178,12 +194,12 @@ class TorchEngine(DCPState):
         for i, (inputs, targets) in enumerate(batches):
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if (last or self._no_sync is None) else self._no_sync()
-            with sync:
+            with sync, vocab_parallel_loss(self.loss_parallel):
                 with self._autocast():
                     logits = self.module(inputs.to(self.device, non_blocking=True))
                 loss = loss_fn(logits, targets.to(self.device, non_blocking=True)) / len(batches)
                 loss.backward()
-            total += loss.detach()
+            total += plain(loss.detach())
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -192,19 +208,35 @@ class TorchEngine(DCPState):
         return total, grad_norm
 
     def eval_loss(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
-        return forward_loss(self.module, micro_batches, self.device, self._autocast)
+        return forward_loss(self.module, micro_batches, self.device, self._autocast, self.loss_parallel)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed vocab-parallel is a replicated DTensor: its value as a plain tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def vocab_parallel_loss(enabled: bool) -> contextlib.AbstractContextManager:
+    """torch's ``loss_parallel``: cross-entropy over logits sharded on the vocabulary (TP's
+    head output), forward and backward, without gathering them."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def forward_loss(forward: Callable[[torch.Tensor], torch.Tensor], micro_batches: Iterable[Batch],
-                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
+                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager],
+                 vocab_parallel: bool = False) -> torch.Tensor:
     """Mean loss of ``forward`` over the micro-batches, without gradients (evaluation)."""
     batches = list(micro_batches)
     total = torch.zeros((), device=device)
-    with torch.no_grad():
+    with torch.no_grad(), vocab_parallel_loss(vocab_parallel):
         for inputs, targets in batches:
             with autocast():
                 logits = forward(inputs.to(device, non_blocking=True))
-            total += loss_fn(logits, targets.to(device, non_blocking=True)) / len(batches)
+            total += plain(loss_fn(logits, targets.to(device, non_blocking=True))) / len(batches)
     return total
 
 

@@ -10,7 +10,10 @@ The plan is data: module FQN -> ParallelStyle, one for the root and one for ever
   MLP input is all-gathered along the sequence first (PrepareModuleInput).
 - Embedding: row-parallel over the vocabulary (each rank looks up its rows, the partial
   results are reduce-scattered to sequence shards). Head: column-parallel over the
-  vocabulary, its output gathered, so the loss sees full logits on every TP rank.
+  vocabulary; its logits stay sharded over the vocabulary and the cross-entropy runs
+  vocab-parallel (``loss_parallel``, as torchtitan), so no rank holds the full
+  vocabulary's logits. Pipeline stages still gather them (the schedule computes the loss
+  itself).
 
 Every parameter ends up a DTensor on the TP mesh (norms replicated), so FSDP on top
 gives uniform 2D (dp, tp) parameters and the gradient norm is one DTensor reduction.
@@ -31,11 +34,16 @@ from train.strategies.base import EngineBuilder
 from train.strategies.fsdp import DTensorEngine, dtensor_engine
 
 
-def root_plan() -> Dict[str, ParallelStyle]:
+def root_plan(vocab_parallel: bool = False) -> Dict[str, ParallelStyle]:
+    """``vocab_parallel``: the head's logits stay sharded over the vocabulary (a DTensor)
+    and the loss is computed in parallel under ``loss_parallel`` (see TorchEngine); else
+    they are gathered, every TP rank holding the full vocabulary's logits."""
+    head = (ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+            if vocab_parallel else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "output": head,
     }
 
 
@@ -56,12 +64,12 @@ def block_plan() -> Dict[str, ParallelStyle]:
     }
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, vocab_parallel: bool = False) -> None:
     """Shard the (meta) model in place; must run before activation checkpointing wraps blocks.
 
     A pipeline stage holds only some of the root's modules: the plan keeps those it has.
     """
-    plan = {fqn: style for fqn, style in root_plan().items() if getattr(model, fqn) is not None}
+    plan = {fqn: style for fqn, style in root_plan(vocab_parallel).items() if getattr(model, fqn) is not None}
     parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan())
