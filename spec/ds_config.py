@@ -91,4 +91,7 @@ def deepspeed_config(cfg: RunConfig, dp_size: int, device_type: str) -> Dict[str
         # The training loop logs; DeepSpeed's own periodic prints would only duplicate it.
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        # A resume at another data-parallel size or ZeRO stage loads the universal
+        # conversion of the checkpoint (train/checkpoint/deepspeed_io.py).
+        "checkpoint": {"load_universal": bool(cfg.checkpoint.load_universal)},
     }

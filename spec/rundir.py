@@ -192,3 +192,33 @@ def read_metrics(run_dir: str | Path) -> List[MetricsRow]:
             if isinstance(data, dict) and isinstance(data.get("step"), int):
                 rows.append(MetricsRow.from_dict(data))
     return rows
+
+
+def run_shape(cfg: Any, layout: Any) -> Dict[str, Any]:
+    """The shape of a run (``cfg``: RunConfig, ``layout``: spec.layout.Layout), what each
+    checkpoint's manifest records of the run that saved it (``shape``) and what
+    ``launcher.resume`` compares and records (``reshaped`` in run.json)."""
+    t, s = cfg.train, cfg.strategy
+    return {"nodes": layout.nodes, "gpus_per_node": layout.gpus_per_node, "world_size": layout.world_size,
+            "strategy": s.name, "engine": s.engine, "zero_stage": s.zero_stage, "dp": layout.dp,
+            "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp, "pp": layout.pp,
+            "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
+            "global_batch": t.micro_batch_size * t.grad_accum * layout.dp}
+
+
+def latest_checkpoint(run_dir: str | Path) -> Optional[Dict[str, Any]]:
+    """The manifest (``step``, ``shape``, ``files``) of the checkpoint that
+    ``checkpoints/latest`` names, or None (no committed checkpoint)."""
+    root = Path(run_dir) / CHECKPOINTS
+    try:
+        name = (root / "latest").read_text().strip()
+        return json.loads((root / name / "COMMITTED").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def shape_line(shape: Mapping[str, Any]) -> str:
+    """A :func:`run_shape` in words, for logs and the launcher's output."""
+    stage = f" stage {shape.get('zero_stage')}" if shape.get("engine") == "deepspeed" else ""
+    return (f"{shape.get('strategy')}{stage} on {shape.get('nodes')} x {shape.get('gpus_per_node')} = "
+            f"{shape.get('world_size')} ranks (dp {shape.get('dp')}, global batch {shape.get('global_batch')})")

@@ -1,6 +1,7 @@
 """The training loop: data -> engine step -> metrics. One loop for every strategy."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from spec.batch import peak_lr
 from spec.config import RunConfig
 from spec.model_size import flops_per_token
-from spec.rundir import MetricsRow, Status
+from spec.rundir import MetricsRow, Status, shape_line
 from train.checkpoint import Checkpointer
 from train.evaluate import Evaluator, perplexity
 from train.data import ShardedLoader, file_dtype, token_file
@@ -54,12 +55,17 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
     loader = ShardedLoader(path, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.micro_batch_size,
                            cfg.train.grad_accum, layout.dp_rank(ctx.rank), layout.dp, seed=cfg.data.seed,
                            dtype=file_dtype(cfg.data, cfg.model.vocab_size))
+    if cfg.fault.trace_samples:
+        loader.trace = task.run_dir / "logs" / f"samples_seg{task.segment}_rank{ctx.rank}.txt"
     engine, restored = _build_and_restore(task, ckpt)
     if cfg.checkpoint.async_save:
         ckpt.prepare_async(engine)
     if restored is not None:
         loader.load_state_dict(restored["loader"])
         log(f"resumed from step {restored['step']} (segment {task.segment})")
+        if "reshaped_from" in restored:  # README: Resume on another shape
+            log(f"resharded: saved by {shape_line(restored['reshaped_from'])}, resumed on "
+                f"{shape_line(ckpt.shape)} at global sample {loader.state.samples}")
 
     gc_every = cfg.train.gc_every_steps
     if gc_every > 0:  # see TrainConfig.gc_every_steps; re-enabled on the way out
@@ -80,8 +86,12 @@ def _build_and_restore(task: Task, ckpt: Checkpointer) -> Tuple[Engine, Optional
     """The engine (meta model -> parallelised, materialised once) and the checkpoint loaded into it."""
     cfg, layout, ctx, log = task.cfg, task.layout, task.ctx, task.log
 
+    # A ZeRO checkpoint saved at another dp size / stage: the engine loads DeepSpeed's universal format.
+    built = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load_universal=True)) \
+        if ckpt.plan_load() else cfg
+
     def build() -> Engine:
-        return parallelize(build_model(cfg.model, "meta"), cfg, layout, ctx)
+        return parallelize(build_model(built.model, "meta"), built, layout, ctx)
 
     engine = build()
     log(f"rank {ctx.rank} coords {layout.coords(ctx.rank)} device {ctx.device} backend {ctx.backend}")

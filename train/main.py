@@ -18,12 +18,13 @@ from train.harness.run import Task, run_task
 
 def trainer(task: Task) -> Status:
     """Train up to ``train.steps``, resuming from the newest committed checkpoint."""
+    from spec.rundir import run_shape
     from train.checkpoint import Checkpointer
     from train.loop import train
 
     cfg = task.cfg
     ckpt = Checkpointer(task.run_dir / "checkpoints", task.ctx.rank, keep=cfg.checkpoint.keep,
-                        slow_async_s=cfg.fault.slow_async_save_s)
+                        slow_async_s=cfg.fault.slow_async_save_s, shape=run_shape(cfg, task.layout))
     return train(task, ckpt)
 
 

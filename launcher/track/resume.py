@@ -1,29 +1,57 @@
-"""``python -m launcher.resume RUN_DIR [--wait]``: start an unfinished run again.
+"""``python -m launcher.resume RUN_DIR [KEY=VALUE ...] [--wait]``: start an unfinished run again.
 
 Uses the run's own ``config.yaml`` (not a new composition), so the job is the one that
 was interrupted; the tasks resume from its newest committed checkpoint. A completed run
 is reported, not retrained. Exit 2 on a bad run directory.
+
+Overrides after RUN_DIR (Hydra's ``key=value``, and ``strategy=NAME`` for a strategy
+profile) apply to the saved config: ``cluster.nodes=1``, ``cluster.gpus_per_node=4``,
+``strategy=fsdp`` resume the checkpoint on another shape (README: "Resume on another
+shape"). What the checkpoint cannot continue is refused with one line (exit 2, nothing
+written or submitted): the model, the data stream (``data.*``, ``train.seq_len``), a
+switch between the torch engine and DeepSpeed, a change of the tensor or pipeline degree,
+of DeepSpeed's stage 0 or offload. When the data-parallel degree changes and neither
+``train.micro_batch_size`` nor ``train.grad_accum`` is given, the global batch is kept
+(the new degree must divide it): the per-rank share is split into micro-batch x
+accumulation anew. The new shape goes through the launcher's checks (layout rules, the
+memory planner) before anything is written; run.json's ``reshaped`` lists each change
+(``from``, ``to``, ``at_step``).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import time
 from pathlib import Path
+from typing import Any, List, Optional, Tuple
 
 from launcher.checks import already_done, check
 from launcher.launch import Point, start
+from launcher.overrides import CONF_DIR, check_key, group_options
 from launcher.track.summary import summary_lines
 from slurm.env import expand_hostlist
-from spec.config import ConfigError, to_run_config, to_yaml
-from spec.rundir import CONFIG, read_run_json, update_run_json
+from spec.config import GROUPS, ConfigError, RunConfig, to_run_config, to_yaml
+from spec.layout import build_layout
+from spec.rundir import CONFIG, latest_checkpoint, read_run_json, run_shape, shape_line, update_run_json
 
 
-# run.json "failure" values whose suspect_nodes the next allocation avoids.
-EXCLUDING_FAILURES = {"node_failure": "node failure", "preflight_outlier": "preflight outlier"}
+# run.json "failure" values whose suspect_nodes the next allocation avoids (the same
+# classes as the automatic requeue's: train/harness/badnodes.py).
+EXCLUDING_FAILURES = {"node_failure": "node failure", "preflight_outlier": "preflight outlier",
+                      "hardware_fault": "hardware fault"}
+# What the checkpoint holds or the data position means: never changed by a resume.
+FIXED_SECTIONS = {"model": "model (its parameters are the checkpoint's)",
+                  "data": "data stream (the position is a sample index in it)"}
+MOVABLE = {"data.cache_dir"}  # where the generated data is cached: the same stream anywhere
+FIXED_FIELDS = {"train.seq_len": "the samples are windows of seq_len tokens",
+                "entrypoint": "the run's code", "entrypoint_args": "the run's code",
+                "launcher.run_dir": "the run's directory", "launcher.root": "the run's directory"}
 
 
 def exclude_failed_nodes(cfg, run_dir: Path) -> None:
-    """After a node failure or a failed preflight, keep the suspect nodes out of the next allocation."""
+    """After a node failure, a failed preflight or a node's hardware fault, keep the suspect
+    nodes out of the next allocation (with those an automatic requeue excluded before)."""
     info = read_run_json(run_dir)
     reason = EXCLUDING_FAILURES.get(info.get("failure"))
     if reason is None or cfg.cluster.backend != "slurm":
@@ -32,15 +60,147 @@ def exclude_failed_nodes(cfg, run_dir: Path) -> None:
     if not bad:
         return
     current = set(expand_hostlist(cfg.cluster.exclude)) if cfg.cluster.exclude else set()
+    current |= set(info.get("excluded_nodes") or [])
     cfg.cluster.exclude = ",".join(sorted(current | bad))
     (run_dir / CONFIG).write_text(to_yaml(cfg))
     update_run_json(run_dir, excluded_nodes=sorted(current | bad))
     print(f"excluding {', '.join(sorted(bad))} ({reason} in the last segment)")
 
 
+def apply_overrides(cfg: RunConfig, overrides: List[str]) -> RunConfig:
+    """``cfg`` with Hydra-style ``key=value`` overrides applied (``strategy=NAME``: that
+    profile of conf/ over the saved section); a ConfigError names a bad one."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides=overrides)
+    except HydraException as exc:
+        raise ConfigError(f"cannot parse overrides {' '.join(overrides)!r}: {str(exc).splitlines()[0]}") from None
+    conf = OmegaConf.structured(cfg)
+    for o in parsed:
+        key, text = o.key_or_group.lstrip("+"), o.input_line or o.key_or_group
+        if o.is_sweep_override() or o.is_delete():
+            raise ConfigError(f"{text}: a resume takes one value per field (no sweep, no deletion); "
+                              f"give key=value")
+        try:
+            if key in GROUPS:
+                name = o.get_value_element_as_str()
+                if name not in group_options(key):
+                    raise ConfigError(f"{text}: unknown {key} {name!r}; options: {', '.join(group_options(key))}")
+                conf[key] = OmegaConf.merge(conf[key], OmegaConf.load(CONF_DIR / key / f"{name}.yaml"))
+            else:
+                check_key(key)
+                OmegaConf.update(conf, key, o.value(), merge=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"{text}: {str(exc).splitlines()[0]}; give a value of the field's type") from None
+    return to_run_config(conf)
+
+
+def _value(cfg: RunConfig, dotted: str) -> Any:
+    value: Any = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def refuse_unresumable(old: RunConfig, new: RunConfig) -> None:
+    """A ConfigError for a change the checkpoint cannot be resumed with."""
+    for section, what in FIXED_SECTIONS.items():
+        a, b = dataclasses.asdict(getattr(old, section)), dataclasses.asdict(getattr(new, section))
+        for key in a:
+            if a[key] != b[key] and f"{section}.{key}" not in MOVABLE:
+                raise ConfigError(f"{section}.{key}={b[key]}: a resume keeps the saved run's {what}, "
+                                  f"{section}.{key}={a[key]}; keep it, or start a new run (launcher.run_dir=NEW_DIR)")
+    for key, why in FIXED_FIELDS.items():
+        if _value(old, key) != _value(new, key):
+            raise ConfigError(f"{key}={_value(new, key)}: a resume keeps {key}={_value(old, key)} ({why}); "
+                              "keep it, or start a new run (launcher.run_dir=NEW_DIR)")
+    s, t = old.strategy, new.strategy
+    if s.engine != t.engine:
+        raise ConfigError(f"strategy.engine={t.engine} (strategy={t.name}): the checkpoint was saved by the "
+                          f"{s.engine} engine (strategy={s.name}) and does not load in the other; pick a strategy "
+                          f"of the {s.engine} engine, or start a new run")
+    if s.engine == "deepspeed" and (s.zero_stage == 0) != (t.zero_stage == 0):
+        raise ConfigError(f"strategy.zero_stage={t.zero_stage}: a stage-0 checkpoint (no ZeRO partitions) and a "
+                          f"ZeRO one do not convert into each other (saved: stage {s.zero_stage}); keep the stage")
+    if s.engine == "deepspeed" and 3 in (s.zero_stage, t.zero_stage) and \
+            (s.zero_stage, build_layout(old).dp) != (t.zero_stage, build_layout(new).dp):
+        raise ConfigError(f"strategy.zero_stage={t.zero_stage} (saved: stage {s.zero_stage}, dp {build_layout(old).dp}"
+                          f"): a ZeRO-3 checkpoint resumes on its own shape only (DeepSpeed 0.19's universal load "
+                          "does not continue a ZeRO-3 run exactly, and stages 1-2 and 3 do not load each other's "
+                          "files); keep the stage and the data-parallel degree, or use zero1/zero2")
+    for key in ("offload_optimizer", "offload_params"):
+        if getattr(s, key) != getattr(t, key):
+            raise ConfigError(f"strategy.{key}={getattr(t, key)}: not supported at resume (saved "
+                              f"{getattr(s, key)}); keep it")
+    lo, ln = build_layout(old), build_layout(new)
+    for key, name in (("tp", "tensor_parallel"), ("pp", "pipeline_parallel")):
+        if getattr(lo, key) != getattr(ln, key):
+            raise ConfigError(f"strategy.{name}={getattr(ln, key)} (strategy={t.name}): resuming at another "
+                              f"{name} degree is not supported (saved {getattr(lo, key)}); only the data-parallel "
+                              f"layout may change: keep {name}={getattr(lo, key)}")
+    if old.entrypoint and (run_shape(old, lo) != run_shape(new, ln)):
+        raise ConfigError(f"entrypoint={old.entrypoint}: a user's code restores its own checkpoints; the launcher "
+                          "reshapes only the built-in trainer's runs; resume it on its own shape")
+
+
+def keep_global_batch(old: RunConfig, new: RunConfig, given: List[str]) -> Optional[str]:
+    """When the data-parallel degree changed and the batch fields were not given: the same
+    global batch, the new per-rank share split into micro-batch x accumulation (the
+    largest micro-batch up to the saved one that divides it). A note of what changed."""
+    dp_old, dp_new = build_layout(old).dp, build_layout(new).dp
+    if dp_old == dp_new or any(k in given for k in ("train.micro_batch_size", "train.grad_accum")):
+        return None
+    t = old.train
+    batch = t.micro_batch_size * t.grad_accum * dp_old
+    if batch % dp_new:
+        raise ConfigError(f"cluster.nodes={new.cluster.nodes} x cluster.gpus_per_node={new.cluster.gpus_per_node}: "
+                          f"data-parallel degree {dp_new} does not divide the global batch of {batch} sequences; "
+                          "pick a shape whose degree divides it, or set train.micro_batch_size and train.grad_accum "
+                          "(a new global batch)")
+    share = batch // dp_new
+    micro = max(d for d in range(1, min(share, t.micro_batch_size) + 1) if share % d == 0)
+    new.train.micro_batch_size, new.train.grad_accum = micro, share // micro
+    return (f"global batch kept at {batch} sequences: dp {dp_old} -> {dp_new}, train.micro_batch_size "
+            f"{t.micro_batch_size} -> {micro}, train.grad_accum {t.grad_accum} -> {share // micro}")
+
+
+def reshape(cfg: RunConfig, overrides: List[str]) -> Tuple[RunConfig, List[str]]:
+    """The saved config with ``overrides`` applied and checked for a resume; notes to print."""
+    new = apply_overrides(cfg, overrides)
+    refuse_unresumable(cfg, new)
+    given = [o.split("=", 1)[0].lstrip("+") for o in overrides]
+    note = keep_global_batch(cfg, new, given)
+    return new, [note] if note else []
+
+
+def record_reshape(run_dir: Path, old: RunConfig, new: RunConfig, overrides: List[str]) -> None:
+    """run.json ``reshaped`` (a list: one entry per resume on another shape) and the new config.yaml."""
+    before, after = run_shape(old, build_layout(old)), run_shape(new, build_layout(new))
+    (run_dir / CONFIG).write_text(to_yaml(new))
+    if before == after:
+        return
+    saved = latest_checkpoint(run_dir)
+    at_step = saved["step"] if saved else 0
+    entry = {"from": before, "to": after, "at_step": at_step, "overrides": overrides, "time": time.time()}
+    update_run_json(run_dir, reshaped=read_run_json(run_dir).get("reshaped", []) + [entry])
+    where = f"the checkpoint of step {at_step}" if saved else "step 0 (no committed checkpoint)"
+    print(f"reshaped: {shape_line(before)} -> {shape_line(after)}; resuming from {where}")
+
+
+def _refused(exc: Exception) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.resume", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="changes to the saved config, e.g. cluster.nodes=1 (resume on another shape)")
     parser.add_argument("--wait", action="store_true", help="block until the job ends and print its summary")
     args = parser.parse_args(argv)
     run_dir = args.run_dir.resolve()
@@ -51,14 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = to_run_config(run_dir / CONFIG)
         exclude_failed_nodes(cfg, run_dir)
-        layout, slurm_conf = check(cfg)
+        new, notes = reshape(cfg, args.overrides) if args.overrides else (cfg, [])
+        layout, slurm_conf = check(new)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    reason = already_done(cfg, run_dir, slurm_conf)
+        return _refused(exc)
+    reason = already_done(new, run_dir, slurm_conf)
     if reason:
         print(f"{reason}; nothing submitted")
         print("\n".join(summary_lines(run_dir)))
         return 0
-    point = Point(cfg, layout, run_dir, slurm_conf, label=f"resume {run_dir.name}", overrides=[], multirun=False)
+    for line in notes:
+        print(line)
+    if args.overrides:
+        record_reshape(run_dir, cfg, new, args.overrides)
+    point = Point(new, layout, run_dir, slurm_conf, label=f"resume {run_dir.name}", overrides=[], multirun=False)
     return start(None, point, wait=args.wait)

@@ -5,15 +5,28 @@
 DeepSpeed writes and reads its files itself, so no CRC is taken as they are written or
 read: the files are summed after the save (read back, shared out among the ranks, see
 :func:`train.checkpoint.manifest.share`) and verified in full before a load.
+
+Resumed at another data-parallel size or ZeRO stage (``launcher.resume RUN_DIR
+cluster.nodes=M``), a ZeRO checkpoint does not load as it is (DeepSpeed refuses a DP
+world size other than the saved one): rank 0 converts it once into DeepSpeed's
+universal format (``deepspeed.checkpoint.ds_to_universal``, in process, into
+``checkpoints/universal/step_N/``, beside the committed directory, which stays as it
+was), and the engine, built with ``"checkpoint": {"load_universal": true}``
+(:func:`spec.ds_config.deepspeed_config`, ``checkpoint.load_universal``), loads that.
 """
 from __future__ import annotations
 
 import json
+import shutil
+from argparse import Namespace
 from pathlib import Path
+from typing import Any, Dict, Optional
 
 from train.checkpoint.manifest import Sums
 
 SUBDIR = "deepspeed"
+TAG = "state"  # the tag DeepSpeedEngine.save_native / load_native use
+UNIVERSAL = "universal"  # checkpoints/universal/step_N: a step converted to the universal format
 
 
 def is_native(engine) -> bool:
@@ -28,11 +41,66 @@ def save(engine, tmp: Path, side: Path, sums: Sums) -> None:
     side.write_text(json.dumps(sums))
 
 
-def load(engine, ckpt: Path) -> None:
-    """Read the engine's files of a checkpoint verified beforehand. Collective."""
-    engine.load_native(ckpt / SUBDIR)
+def load(engine, ckpt: Path, universal: bool = False) -> None:
+    """Read the engine's files of a checkpoint verified beforehand (``universal``: its
+    conversion, made by :func:`to_universal`). Collective.
+
+    A universal load keeps the engine's per-group hyperparameters (the run config's):
+    DeepSpeed 0.19's ZeRO-3 universal loader copies the first parameter group's onto
+    every group, which gave the norms and biases (no weight decay) the matrices' weight
+    decay (seen here: the resumed loss drifted 1e-2 from the uninterrupted run's in 6 steps)."""
+    if not universal:
+        engine.load_native(ckpt / SUBDIR)
+        return
+    groups = [opt.param_groups for opt in engine.optimizers]
+    kept = [[{k: v for k, v in g.items() if k != "params"} for g in gs] for gs in groups]
+    engine.load_native(universal_dir(ckpt))
+    for gs, hyper in zip([opt.param_groups for opt in engine.optimizers], kept):
+        if len(gs) == len(hyper):
+            for group, values in zip(gs, hyper):
+                group.update(values)
 
 
 def deferred(rel: str) -> bool:
     """No file of a DeepSpeed checkpoint is summed as it is loaded: all are verified first."""
     return False
+
+
+def needs_universal(saved: Optional[Dict[str, Any]], current: Dict[str, Any]) -> bool:
+    """A ZeRO checkpoint saved at another data-parallel size or ZeRO stage than this run's
+    (shapes: :func:`spec.rundir.run_shape`). Stage 0 keeps whole optimizer states in one
+    file, which loads at any size (the launcher refuses a change to or from stage 0)."""
+    if not saved or current.get("engine") != "deepspeed" or saved.get("engine") != "deepspeed":
+        return False
+    if not (saved.get("zero_stage") and current.get("zero_stage")):
+        return False
+    return (saved.get("dp"), saved.get("zero_stage")) != (current.get("dp"), current.get("zero_stage"))
+
+
+def universal_dir(ckpt: Path) -> Path:
+    return ckpt.parent / UNIVERSAL / ckpt.name
+
+
+def to_universal(ckpt: Path) -> Optional[str]:
+    """Convert ``ckpt``'s DeepSpeed files (rank 0, once: an earlier conversion is reused);
+    the reason it failed, or None. Into a temporary directory renamed when complete."""
+    out = universal_dir(ckpt)
+    if (out / TAG).is_dir():
+        return None
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        from deepspeed.checkpoint.ds_to_universal import main as convert
+
+        # One worker: no process pool forked from a process with live gloo threads.
+        # inject_missing_state: our engine saves no universal_checkpoint_info (no TP/PP
+        # patterns to record), which the converter otherwise insists on.
+        convert(Namespace(input_folder=str(ckpt / SUBDIR / TAG), output_folder=str(tmp / TAG),
+                          num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                          inject_missing_state=True))
+    except Exception as exc:  # noqa: BLE001 - reported by every rank, the checkpoint skipped
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"conversion to DeepSpeed's universal checkpoint failed: {type(exc).__name__}: {exc}"
+    tmp.rename(out)
+    return None

@@ -6,6 +6,8 @@ Layout under ``RUN_DIR/checkpoints``::
         COMMITTED             manifest: step, every file's size and CRC32 (written last)
         dcp/ or deepspeed/    the sharded model + optimizer state
         extra_rank{R}.pt      per rank: step, data-loader position, RNG states
+    universal/step_00000040/  DeepSpeed only: that step in the universal format, made when
+                              a run resumes it at another data-parallel size or ZeRO stage
     latest                    name of the newest committed step (replaced atomically)
     .tmp-step_00000050/       a save in progress (or killed): never loaded, removed at start-up
 
@@ -19,14 +21,22 @@ leaves either the previous checkpoint as newest or the new one complete. Loading
 the newest directory whose manifest verifies (sizes, and CRCs read back, the files shared
 out among the ranks; DCP's data files summed as they are loaded, :mod:`.dcp_reader`); a
 corrupt or truncated one is reported and skipped.
+
+Each manifest records the shape of the run that saved it (``shape``:
+:func:`spec.rundir.run_shape`). Resumed on another shape, DCP reshards by itself (the
+state dicts are DTensors or whole tensors, by parameter name, whatever the world size);
+DeepSpeed goes through its universal format (:mod:`.deepspeed_io`); the data position is
+in global samples (:mod:`train.data.loader`), and the RNG states are rank 0's on every
+rank (:func:`.state.load_extra`).
 """
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -37,7 +47,7 @@ from train.checkpoint.async_save import AsyncSaver
 from train.checkpoint.dcp_reader import readahead, verifying_reader
 from train.checkpoint.dcp_writer import summing_writer
 from train.checkpoint.manifest import (
-    DCP_FILE, SUMS, CorruptCheckpoint, Sums, checksums, committed_steps, manifest_files, publish, share,
+    DCP_FILE, MANIFEST, SUMS, CorruptCheckpoint, Sums, checksums, committed_steps, manifest_files, publish, share,
     step_name, unsummed, verify, written_sums,
 )
 from train.checkpoint.state import AppState, load_extra, write_extra
@@ -60,6 +70,7 @@ class Checkpointer:
     rank: int
     keep: int = 3
     slow_async_s: float = 0.0  # fault injection: see FaultConfig.slow_async_save_s
+    shape: Dict[str, Any] = field(default_factory=dict)  # this run's (spec.rundir.run_shape), in each manifest
 
     def __post_init__(self) -> None:
         self._pending: Optional[Tuple[Future, Path, Path, int]] = None  # future, tmp, final, step
@@ -71,6 +82,7 @@ class Checkpointer:
         self._async = AsyncSaver(self.slow_async_s)
         self.last_save_s = 0.0
         self.engine_dirty = False  # see load_latest
+        self.universal = False  # see plan_load
 
     @property
     def staging_wait_s(self) -> float:
@@ -132,7 +144,7 @@ class Checkpointer:
         if self.rank == 0:
             for part in parts:
                 written.update(part)
-            publish(tmp, final, step, written)
+            publish(tmp, final, step, written, shape=self.shape)
         dist.barrier()
 
     def prepare_async(self, engine) -> None:
@@ -186,7 +198,7 @@ class Checkpointer:
 
     def _commit(self, tmp: Path, final: Path, step: int) -> None:
         """Rank 0, after an async write: publish, then prune."""
-        publish(tmp, final, step)
+        publish(tmp, final, step, shape=self.shape)
         self._prune()
 
     def _prune(self) -> None:
@@ -195,6 +207,7 @@ class Checkpointer:
         stale ones at start-up)."""
         for old in committed_steps(self.root)[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(deepspeed_io.universal_dir(old), ignore_errors=True)
 
     def load_latest(self, engine, report: Callable[[str], None]) -> Optional[Dict[str, Any]]:
         """Restore the newest good checkpoint; None if none. Every rank checks each
@@ -221,16 +234,62 @@ class Checkpointer:
             if reason is None:
                 reason = self._engine_load(engine, self.root / name)
             if reason is None:
-                return load_extra(self.root / name, self.rank)
+                return self._extra(self.root / name)
             if self.rank == 0:
                 report(f"checkpoint {name} ignored: {reason}")
         return None
 
+    def saved_shape(self, ckpt: Optional[Path] = None) -> Optional[Dict[str, Any]]:
+        """The shape of the run that saved ``ckpt`` (default: the newest committed step), from
+        its manifest; None if there is none (or it was saved before shapes were recorded)."""
+        if ckpt is None:
+            steps = committed_steps(self.root)
+            if not steps:
+                return None
+            ckpt = steps[0]
+        try:
+            return json.loads((ckpt / MANIFEST).read_text()).get("shape")
+        except (OSError, ValueError):
+            return None
+
+    def plan_load(self) -> bool:
+        """Before the engine is built (not collective: every rank reads the same manifest):
+        whether it must load DeepSpeed's universal format, i.e. the newest checkpoint is a
+        ZeRO one saved at another data-parallel size or stage (then the engine is built with
+        ``checkpoint.load_universal``)."""
+        self.universal = deepspeed_io.needs_universal(self.saved_shape(), self.shape)
+        return self.universal
+
+    def _deepspeed_load(self, engine, ckpt: Path) -> Optional[str]:
+        """DeepSpeed's files of ``ckpt``, converted to the universal format first when it
+        was saved at another shape (rank 0 converts; collective)."""
+        universal = deepspeed_io.needs_universal(self.saved_shape(ckpt), self.shape)
+        if universal != self.universal:  # the engine was built for the newest checkpoint's shape
+            return (f"saved at another shape than the newest checkpoint (universal load: {universal}); "
+                    f"resume once more to load it")
+        if universal:
+            reason = [deepspeed_io.to_universal(ckpt) if self.rank == 0 else None]
+            dist.broadcast_object_list(reason, src=0)
+            if reason[0] is not None:
+                return reason[0]
+        deepspeed_io.load(engine, ckpt, universal)
+        return None
+
+    def _extra(self, ckpt: Path) -> Dict[str, Any]:
+        """This rank's step, loader position and RNG states; every rank takes rank 0's when
+        the checkpoint was saved on another layout (``reshaped_from``: its shape)."""
+        saved = self.saved_shape(ckpt)
+        keys = ("world_size", "dp", "tp", "pp")
+        moved = saved is not None and any(saved.get(k) != self.shape.get(k) for k in keys)
+        extra = load_extra(ckpt, self.rank, same_layout=not moved)
+        if saved is not None and saved != {k: self.shape.get(k) for k in saved}:
+            extra["reshaped_from"] = saved
+        return extra
+
     def _engine_load(self, engine, ckpt: Path) -> Optional[str]:
         """Load ``ckpt`` into ``engine`` (collective); the reason if a file it read was corrupt."""
         if deepspeed_io.is_native(engine):  # verified beforehand: DeepSpeed reads its files itself
-            deepspeed_io.load(engine, ckpt)
-            return None
+            return self._deepspeed_load(engine, ckpt)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 

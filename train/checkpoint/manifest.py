@@ -13,7 +13,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 try:  # ISA-L's CRC32: the same checksum as zlib.crc32 (manifests stay compatible), ~6x faster
     from isal.isal_zlib import crc32
@@ -143,16 +143,20 @@ def find_latest(root: Path, report: Callable[[str], None]) -> Optional[Path]:
     return None
 
 
-def publish(tmp: Path, final: Path, step: int, sums: Optional[Sums] = None) -> None:
+def publish(tmp: Path, final: Path, step: int, sums: Optional[Sums] = None,
+            shape: Optional[Dict[str, Any]] = None) -> None:
     """Commit ``tmp`` as ``final``: the manifest (the CRCs the ranks computed, the files
-    they did not read back and fsynced here), its rename, then the ``latest`` pointer."""
+    they did not read back and fsynced here; ``shape``: the run's that saved it), its
+    rename, then the ``latest`` pointer."""
     files = dict(sums) if sums is not None else written_sums(tmp)
     files.update(checksums(tmp, unsummed(tmp, files), fsync=True))
     for side in tmp.glob(SUMS + "*.json"):
         side.unlink()
     manifest = tmp / MANIFEST
-    manifest.write_text(json.dumps({"step": step, "time": time.time(), "files": dict(sorted(files.items()))},
-                                   indent=1))
+    content: Dict[str, Any] = {"step": step, "time": time.time(), "files": dict(sorted(files.items()))}
+    if shape:
+        content["shape"] = shape
+    manifest.write_text(json.dumps(content, indent=1))
     fsync_path(manifest)
     if final.exists():  # a re-save of the same step (e.g. resumed and preempted at once)
         shutil.rmtree(final)

@@ -66,11 +66,15 @@ def write_extra(root: Path, rank: int, step: int, extra: Dict[str, Any], fsync: 
     return {rel: [len(data), crc32(data)]}
 
 
-def load_extra(ckpt: Path, rank: int) -> Dict[str, Any]:
-    """This rank's extra state, its RNG states restored. Resumed at another world size, a
-    rank without a file of its own takes rank 0's (its stream position)."""
+def load_extra(ckpt: Path, rank: int, same_layout: bool = True) -> Dict[str, Any]:
+    """This rank's extra state, its RNG states restored. Resumed on another layout (world
+    size, data-parallel, tensor or pipeline degree: ``same_layout`` false) every rank takes
+    rank 0's: the step and loader position are the same in every file, and the RNG states
+    are then the same on every rank, as at a fresh start (each rank seeds train.seed); rank
+    ``r``'s own stream would belong to another role. The training itself draws no random
+    numbers (no dropout), so only a user's extension would notice."""
     path = ckpt / extra_name(rank)
-    if not path.exists():
+    if not same_layout or not path.exists():
         path = ckpt / extra_name(0)
     extra = torch.load(path, weights_only=False)  # numpy's RNG state is not a weights-only type
     set_rng_state(extra["rng"])

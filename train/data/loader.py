@@ -8,11 +8,17 @@ user's pre-tokenised file; ``tokens`` reads the train/val split that
 ``python -m train.data.prepare`` wrote (its manifest gives the dtype). Nothing is
 downloaded.
 
-The loader is a pure function of (seed, step): the global batch of optimizer step
-``s`` is the samples ``s*G .. s*G+G-1`` of a seeded permutation of all windows (G =
-global batch in samples), and data-parallel rank ``r`` takes its contiguous slice. So
-resuming needs only the step number, every world size sees the same global batch,
-and a 2-rank run and a 1-rank run with the same global batch see identical data.
+The loader is a pure function of (seed, position in global samples): the global stream
+is epoch after epoch of seeded permutations of all windows (epoch ``e``: samples
+``e*W .. e*W+W-1``, W = windows in the file), and an optimizer step takes the next G
+samples of it (G = global batch in samples = micro x accum x dp; a batch may straddle
+two epochs), data-parallel rank ``r`` its contiguous slice. The position it keeps
+(:class:`LoaderState`) is the step and the global sample index ``k``, so a resume at
+any data-parallel degree continues at sample ``k``: nothing skipped, nothing repeated.
+With the same global batch every world size sees the same batches; resumed with another
+global batch, step ``s`` takes samples ``k .. k+G'-1`` (the step count goes on, the
+samples do not restart). A 2-rank run and a 1-rank run with the same global batch see
+identical data.
 """
 from __future__ import annotations
 
@@ -110,13 +116,18 @@ def _markov(cfg: DataConfig, vocab_size: int, num_tokens: int, walk_seed: Option
 
 @dataclass
 class LoaderState:
-    """Everything needed to resume the data stream: the next optimizer step."""
+    """Everything needed to resume the data stream: the next optimizer step and the index
+    of the next sample of the global stream (``samples``, whatever the data-parallel degree)."""
 
     step: int = 0
+    samples: int = 0
 
 
 class ShardedLoader:
-    """Yields (inputs, targets) micro-batches for one data-parallel rank."""
+    """Yields (inputs, targets) micro-batches for one data-parallel rank.
+
+    ``trace``: a file to which each step's window ids (this rank's share) are appended as
+    ``step id id ...`` lines (fault.trace_samples: tests count the samples of a run)."""
 
     def __init__(self, path: Path, vocab_size: int, seq_len: int, micro_batch: int, grad_accum: int,
                  dp_rank: int, dp_size: int, seed: int, dtype: Optional[np.dtype] = None) -> None:
@@ -133,22 +144,38 @@ class ShardedLoader:
             raise ValueError(f"data has {self.num_windows} windows of {seq_len} tokens, fewer than one global "
                              f"batch of {self.global_batch}; generate more data (data.num_tokens)")
         self.state = LoaderState()
-        self._perm_epoch = -1
-        self._perm = np.empty(0, dtype=np.int64)
+        self.trace: Optional[Path] = None
+        self._perms: Dict[int, np.ndarray] = {}
 
-    def _window_ids(self, step: int) -> np.ndarray:
-        steps_per_epoch = self.num_windows // self.global_batch
-        epoch, within = divmod(step, steps_per_epoch)
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-            self._perm_epoch = epoch
-        start = within * self.global_batch + self.dp_rank * self.micro_batch * self.grad_accum
-        return self._perm[start:start + self.micro_batch * self.grad_accum]
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) > 1:  # a batch spans two epochs at most
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+        return self._perms[epoch]
+
+    def stream(self, start: int, count: int) -> np.ndarray:
+        """Window ids of global samples ``start .. start+count-1``."""
+        out, k = [], start
+        while k < start + count:
+            epoch, within = divmod(k, self.num_windows)
+            take = min(start + count - k, self.num_windows - within)
+            out.append(self._perm(epoch)[within:within + take])
+            k += take
+        return np.concatenate(out)
+
+    def _window_ids(self) -> np.ndarray:
+        per_rank = self.micro_batch * self.grad_accum
+        return self.stream(self.state.samples + self.dp_rank * per_rank, per_rank)
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The grad_accum micro-batches of the next optimizer step; advances the state."""
-        ids = self._window_ids(self.state.step)
+        ids = self._window_ids()
+        if self.trace is not None:
+            with open(self.trace, "a") as f:
+                f.write(f"{self.state.step + 1} {' '.join(map(str, ids.tolist()))}\n")
         self.state.step += 1
+        self.state.samples += self.global_batch
         rows = np.stack([self.tokens[i * self.seq_len:i * self.seq_len + self.seq_len + 1] for i in ids])
         data = torch.from_numpy(rows.astype(np.int64))
         micro = []
@@ -158,7 +185,11 @@ class ShardedLoader:
         return micro
 
     def state_dict(self) -> dict:
-        return {"step": self.state.step}
+        return {"step": self.state.step, "samples": self.state.samples, "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state``'s step and global sample (a state without ``samples``,
+        from before the loader kept it: the step x this loader's global batch)."""
         self.state.step = int(state["step"])
+        samples = state.get("samples")
+        self.state.samples = int(samples) if samples is not None else self.state.step * self.global_batch
