@@ -118,7 +118,20 @@ def rank_main(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
     register_optimizer_step_post_hook(census)
     engine = parallelize(build_model(cfg.model, "meta"), cfg, layout, ctx)
     gen = torch.Generator().manual_seed(rank)
-    t, saved, held = cfg.train, {}, {}
+    t, saved, held = cfg.train, [{}], {}
+
+    def pre(module, _args) -> None:
+        """At the start of every forward: a new micro-step's saved tensors and, with
+        gradient accumulation, a census (an engine may hold whole gradients between
+        micro-steps: DeepSpeed ZeRO-1 reduces them at the boundary only)."""
+        if torch.is_grad_enabled() and layout.pp == 1:
+            saved.append({})
+            if t.grad_accum > 1:
+                grads = [p.grad for p in module.parameters() if p.grad is not None]  # noqa: F841 (for gc)
+                census()
+
+    for part in engine.model_parts:
+        part.register_forward_pre_hook(pre)
     most_held = [0, 0]  # bytes of the storages saved right now, and their most
 
     class Held:
@@ -147,7 +160,7 @@ def rank_main(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
             # saves other micro-batches' (at recycled addresses): count the most saved at once
             return Held(x, key)
         if key:
-            saved[key[0]] = max(saved.get(key[0], 0), key[1])
+            saved[-1][key[0]] = max(saved[-1].get(key[0], 0), key[1])
         return x
 
     for step in range(2):
@@ -161,7 +174,7 @@ def rank_main(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
     states = max(most[0], live_tensor_bytes(logits)) - before_tensors
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before_rss
     Path(out_dir, f"{rank}.json").write_text(json.dumps({"states": states, "peak": peak,
-                                                         "saved": most_held[1] or sum(saved.values())}))
+                                                         "saved": most_held[1] or max(sum(d.values()) for d in saved)}))
     shutdown()
 
 
@@ -179,15 +192,16 @@ def measure(cfg, world: int) -> list:
 def predicted_saved(cfg, layout, mem) -> float:
     """The planner's activations less what autograd does not save. One micro-batch through
     the whole model: the logits the loop holds and their fp32 gradient ((e + 4) x vocab per
-    token) and the block in flight. A pipeline: the most saved at once on the first or the
+    token, over the vocabulary shards under tensor parallel) and the block in flight. A pipeline: the most saved at once on the first or the
     last stage, the held micro-batches' blocks (and head, less its logits). Autocast's
     weight casts are saved too (a planner buffer; the heaviest stage's)."""
-    from launcher.plan.memory import activation_terms, block_bytes, compute_bytes, pipeline_held, uses_autocast
+    from launcher.plan.memory import (activation_terms, block_bytes, compute_bytes, pipeline_held, uses_autocast,
+                                      vocab_shards)
 
     e, t, m, autocast = compute_bytes(cfg), cfg.train, cfg.model, uses_autocast(cfg)
     casts = e * mem.stage_params if autocast else 0.0
     if layout.pp == 1:
-        unsaved = (e + 4) * m.vocab_size + block_bytes(m, layout.tp, e, autocast, False)
+        unsaved = (e + 4) * m.vocab_size / vocab_shards(layout) + block_bytes(m, layout.tp, e, autocast, False)
         return mem.activation_bytes - t.micro_batch_size * t.seq_len * unsaved + casts
     saved, _, head, _ = activation_terms(cfg, layout, cfg.strategy.activation_checkpointing)
     first, last = pipeline_held(cfg, layout)

@@ -62,3 +62,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     12 x layers x heads x head_dim x seq_len for the attention scores."""
     n = count_params(cfg) - cfg.vocab_size * cfg.dim
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * seq_len
+
+
+def largest_module_params(cfg: ModelConfig) -> int:
+    """Parameters of the largest single module (embedding, head or one projection): what
+    DeepSpeed ZeRO-3 gathers at once, and DeepSpeed's estimators call the largest layer."""
+    b = param_breakdown(cfg)
+    return max(b.embedding, b.head, cfg.dim * ffn_hidden_dim(cfg), cfg.dim * cfg.dim)

@@ -113,6 +113,8 @@ def _gb(x: Optional[float], unit: float = GB) -> str:
 def _fits(mem: Memory) -> str:
     if mem.fits is None:
         return "?"
+    if not mem.host_fits:
+        return "NO (host)"
     return f"yes (+{_gb(mem.margin_bytes)})" if mem.fits else f"NO ({_gb(mem.margin_bytes)})"
 
 
@@ -152,7 +154,8 @@ def strategy_table(rows: List[Tuple[str, RunConfig, object]]) -> List[str]:
                      f"{f(mem.overhead_bytes):>6}{f(mem.total_bytes):>7}  {_fits(mem):<14}{step:>7}")
         if mem.cpu_bytes:
             node = mem.cpu_bytes * cfg.cluster.gpus_per_node
-            have = f" (cluster.mem_gb={cfg.cluster.mem_gb})" if cfg.cluster.mem_gb else ""
+            have = f" of {_gb(mem.host_limit, unit)} {label} (cluster.mem_gb{'' if cfg.cluster.mem_gb else ' null: assumed'})" \
+                if mem.host_limit else ""
             lines.append(f"{'':<15}offload: host memory {f(mem.cpu_bytes)} {label} per rank, {f(node)} {label} "
                          f"per node{have}")
         if mem.init_bytes >= mem.total_bytes:  # the start-up peak is the larger one
@@ -165,21 +168,31 @@ def recommend_table(cands: List[Candidate], top: int, cfg: RunConfig, global_bat
     lines = [f"best layouts for {cfg.cluster.nodes} x {cfg.cluster.name} (global batch {global_batch} sequences "
              f"= {global_batch * cfg.train.seq_len} tokens per step; checkpointing: the cheapest mode that fits)"]
     if not cands:
-        return lines + ["  none fits: use more nodes, a shorter train.seq_len or a smaller micro-batch"]
+        return lines + [f"  {nothing_runnable(cfg)}"]
     if cands[0].time is None:
         return lines + [f"  no ranking: cluster.peak_tflops_bf16 is null on {cfg.cluster.name}; the cost model "
                         "needs the peak (set cluster.peak_tflops_bf16=TFLOP/s)"]
     lines.append(f"{'#':>3} {'strategy':<14}{'pp':>3}{'dp':>5}{'tp':>3}  {'checkpoint':<10}{'GB/GPU':>7}"
-                 f"{'step s':>8}{'tok/s/GPU':>10}{'MFU':>6}  runnable now")
+                 f"{'step s':>8}{'tok/s/GPU':>10}{'MFU':>6}")
     for i, k in enumerate(cands[:top], 1):
         t = k.time
         step, tps, mfu = (f"{t.step_s:.2f}", f"{t.tokens_per_s / world:.0f}", f"{t.mfu:.0%}") if t else ("-",) * 3
         lines.append(f"{i:>3} {k.cfg.strategy.name:<14}{k.layout.pp:>3}{k.layout.dp:>5}{k.layout.tp:>3}  "
                      f"{k.cfg.strategy.activation_checkpointing:<10}{_gb(k.memory.total_bytes):>7}{step:>8}{tps:>10}"
-                     f"{mfu:>6}  {'yes' if k.runnable is None else 'not yet'}")
+                     f"{mfu:>6}")
     lines.append(f"#1: python -m launcher +cluster={cfg.cluster.name} +model={cfg.model.name} "
                  f"cluster.nodes={cfg.cluster.nodes} train.seq_len={cfg.train.seq_len} {cands[0].overrides()}")
     return lines
+
+
+def nothing_runnable(cfg: RunConfig) -> str:
+    """Why no layout is recommended (one line, with the fix)."""
+    c = cfg.cluster
+    return (f"cluster.nodes={c.nodes}: no layout of {cfg.model.name} on {c.nodes} x {c.name} both fits "
+            f"{c.gpu_mem_gb:g} GB per GPU and runs in this version (micro-batch {cfg.train.micro_batch_size} x "
+            f"train.seq_len={cfg.train.seq_len}); use more nodes, a shorter train.seq_len or a smaller "
+            "train.micro_batch_size" if c.gpu_mem_gb else f"no layout of {cfg.model.name} on {c.name} runs in this "
+            "version")
 
 
 def check_fits(cfg: RunConfig, layout: Layout) -> None:
@@ -202,14 +215,24 @@ def check_fits(cfg: RunConfig, layout: Layout) -> None:
         best = candidates(cfg)
     except ConfigError:  # the cost model lacks a bandwidth: rank nothing, suggest the rest
         best = []
-    fixes.append(f"{best[0].short()} (python -m launcher.plan +cluster={c.name} +model={cfg.model.name} "
-                 f"ranks the layouts that fit)" if best else f"more nodes (cluster.nodes={c.nodes} now)")
-    raise ConfigError(
-        f"cluster.gpu_mem_gb={c.gpu_mem_gb:g}: {cfg.model.name} with strategy {s.name} is predicted to need "
-        f"{_gb(mem.total_bytes)} GB per GPU on {c.name} (params {_gb(mem.param_bytes)}, grads "
-        f"{_gb(mem.grad_bytes)}, optimizer {_gb(mem.optimizer_bytes)}, activations {_gb(mem.activation_bytes)}, "
-        f"buffers+overhead {_gb(mem.buffer_bytes + mem.overhead_bytes)}); use {' or '.join(fixes)}, "
-        f"or launcher.allow_oom=true to submit anyway")
+    fixes.append(f"{best[0].overrides()} in place of +strategy={s.name} and its strategy.* overrides (python -m "
+                 f"launcher.plan +cluster={c.name} +model={cfg.model.name} ranks the layouts that fit)" if best
+                 else f"more nodes (cluster.nodes={c.nodes} now)")
+    raise ConfigError(f"{_shortfall(cfg, mem)}; use {' or '.join(fixes)}, or launcher.allow_oom=true to submit "
+                      "anyway")
+
+
+def _shortfall(cfg: RunConfig, mem: Memory) -> str:
+    """What does not fit: the GPU (field gpu_mem_gb) or, with offload, the host (mem_gb)."""
+    s, c = cfg.strategy, cfg.cluster
+    if mem.total_bytes > (mem.gpu_bytes or 0.0):
+        return (f"cluster.gpu_mem_gb={c.gpu_mem_gb:g}: {cfg.model.name} with strategy {s.name} is predicted to need "
+                f"{_gb(mem.total_bytes)} GB per GPU on {c.name} (params {_gb(mem.param_bytes)}, grads "
+                f"{_gb(mem.grad_bytes)}, optimizer {_gb(mem.optimizer_bytes)}, activations "
+                f"{_gb(mem.activation_bytes)}, buffers+overhead {_gb(mem.buffer_bytes + mem.overhead_bytes)})")
+    limit = f"{c.mem_gb}" if c.mem_gb else f"null (assumed {_gb(mem.host_limit)} GB)"
+    return (f"cluster.mem_gb={limit}: {cfg.model.name} with strategy {s.name} offloads {_gb(mem.host_per_node)} GB "
+            f"per node to host memory on {c.name} (set cluster.mem_gb to the node's memory if it has more)")
 
 
 def plan_point(composer: PointComposer, overrides: List[str], opts: Dict[str, object]):
@@ -225,6 +248,8 @@ def plan_point(composer: PointComposer, overrides: List[str], opts: Dict[str, ob
             if given:
                 raise
             rows.append((cfg.strategy.name, cfg, exc))
+    if all(isinstance(res, ConfigError) for _, _, res in rows):  # no preset plans here: the cluster's fault
+        raise rows[0][2]
     base = rows[0][1]
     batch = int(opts["global_batch"] or base.train.micro_batch_size * base.train.grad_accum
                 * base.cluster.nodes * base.cluster.gpus_per_node)
@@ -239,21 +264,31 @@ def run(args: List[str]) -> int:
     check_overrides(rest, multirun)
     points = expand(rest) if multirun else [rest]
     out: List[Dict[str, object]] = []
+    failed: List[str] = []  # points where nothing fits and runs: their reason
     with standalone(CONF_DIR) as composer:
         for i, point in enumerate(points):
-            out += _plan_and_print(composer, i, point, opts, multirun)
+            out += _plan_and_print(composer, i, point, opts, multirun, failed)
     if opts["format"] == "json":
         print(json.dumps(out, indent=1))
-    return 0
+    for reason in failed:
+        print(f"error: {reason}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _plan_and_print(composer: PointComposer, i: int, point: List[str], opts: Dict[str, object],
-                    multirun: bool) -> List[Dict[str, object]]:
-    """Print one point's tables (text format), or return its JSON rows (json format)."""
+                    multirun: bool, failed: List[str]) -> List[Dict[str, object]]:
+    """Print one point's tables (text format), or return its JSON rows (json format); a point
+    whose recommendations were asked for and where nothing fits and runs adds its reason
+    to ``failed`` (and, in JSON, an object {"error": reason})."""
     rows, base, batch, cands = plan_point(composer, point, opts)
     tag = {"point": " ".join(point)} if multirun else {}
+    wanted = opts["recommend"] if opts["format"] == "json" else opts["top"]
+    if wanted and not cands:
+        failed.append(nothing_runnable(base) + (f" ({' '.join(point)})" if multirun else ""))
     if opts["format"] == "json":
         if opts["recommend"]:
+            if not cands:
+                return [{"error": nothing_runnable(base)} | tag]
             return [to_json(k.cfg, k.layout, k.memory, k.time) | {"overrides": k.overrides()} | tag
                     for k in cands[:int(opts["top"])]]
         for name, _, res in rows:

@@ -22,6 +22,7 @@ from spec.config import ConfigError, RunConfig, StrategyConfig
 from spec.layout import Layout, build_layout
 from spec.model_size import flops_per_token
 from spec.support import check_supported
+from spec.validate import validate
 from launcher.plan.memory import AC_MODES, Memory, compute_bytes, estimate, stage_params
 
 MFU = 0.40                   # fraction of peak the matmuls reach (assumption; plan.mfu=...)
@@ -134,8 +135,8 @@ def step_time(cfg: RunConfig, layout: Layout, mfu: float = MFU) -> Optional[Step
     if layout.tp > 1:
         reduces = {"none": 4, "selective": 5, "full": 6}[s.activation_checkpointing]
         volume = reduces * all_reduce_bytes(layout.tp, micro_tokens * m.dim * e) * layers * t.grad_accum
-        # the logits are gathered for the loss, their gradient scattered back
-        volume += 2 * all_gather_bytes(layout.tp, micro_tokens * m.vocab_size * e) * t.grad_accum
+        if layout.pp > 1:  # a pipeline's last stage gathers the logits, scatters their gradient
+            volume += 2 * all_gather_bytes(layout.tp, micro_tokens * m.vocab_size * e) * t.grad_accum
         tp_s = volume / (link_gbps(cfg, layout, layout.tp, 1) * 1e9)
     if layout.pp > 1:
         # point-to-point to the neighbour stage, tp x dp ranks away
@@ -143,7 +144,10 @@ def step_time(cfg: RunConfig, layout: Layout, mfu: float = MFU) -> Optional[Step
         pp_s = 2 * micro_tokens * m.dim * e * t.grad_accum / (gbps * 1e9)
     if s.engine == "deepspeed" and (s.offload_optimizer or s.offload_params):
         n = layout.dp
-        offload = 2 * e * psi / n / (PCIE_GBPS * 1e9) + psi / n / CPU_ADAM_PARAMS_PER_S
+        # the gradient partition goes down (every micro-step at stage 3, where it is
+        # accumulated on the host), the updated parameters come back once
+        down = t.grad_accum if s.zero_stage == 3 else 1
+        offload = (down + 1) * e * psi / n / (PCIE_GBPS * 1e9) + psi / n / CPU_ADAM_PARAMS_PER_S
         if s.offload_params:  # partitions fetched for forward and backward every micro-step
             offload += 2 * e * psi / n * t.grad_accum / (PCIE_GBPS * 1e9)
     step = compute + bubble + exposed + tp_s + pp_s + offload
@@ -175,27 +179,18 @@ class Candidate:
     layout: Layout
     memory: Memory
     time: Optional[StepTime]
-    runnable: Optional[str]  # None, or why this version cannot run it yet
-
-    def short(self) -> str:
-        """The overrides that differ from the preset of the same name."""
-        s = self.cfg.strategy
-        out = [f"+strategy={s.name}"]
-        out += [f"strategy.{k}={v}" for k, v in (("tensor_parallel", s.tensor_parallel),
-                                                  ("pipeline_parallel", s.pipeline_parallel)) if v > 1]
-        if s.activation_checkpointing != "none":
-            out.append(f"strategy.activation_checkpointing={s.activation_checkpointing}")
-        return " ".join(out)
 
     def overrides(self) -> str:
-        """Command-line overrides that reproduce this candidate."""
+        """Command-line overrides that reproduce this candidate (in place of the user's
+        +strategy and strategy.* overrides)."""
         s, t = self.cfg.strategy, self.cfg.train
-        out = [f"+strategy={s.name}", f"strategy.tensor_parallel={s.tensor_parallel}",
+        out = [f"+strategy={s.name}", f"strategy.mixed_precision={s.mixed_precision}",
+               f"strategy.tensor_parallel={s.tensor_parallel}",
                f"strategy.pipeline_parallel={s.pipeline_parallel}", f"strategy.dp_shard={s.dp_shard}",
                f"strategy.dp_replicate={s.dp_replicate}", f"strategy.activation_checkpointing={s.activation_checkpointing}",
                f"train.micro_batch_size={t.micro_batch_size}", f"train.grad_accum={t.grad_accum}"]
         if s.pipeline_parallel > 1:
-            out.append(f"strategy.pp_microbatches={s.pp_microbatches}")
+            out += [f"strategy.pp_schedule={s.pp_schedule}", f"strategy.pp_microbatches={s.pp_microbatches}"]
         return " ".join(out)
 
 
@@ -204,8 +199,9 @@ def _pow2_divisors(n: int) -> List[int]:
 
 
 def candidates(cfg: RunConfig, global_batch: Optional[int] = None, mfu: float = MFU) -> List[Candidate]:
-    """Every layout the search covers that fits, with the fastest activation-checkpointing
-    mode that fits, best first. The global batch (sequences per optimizer step) is held
+    """Every layout the search covers that fits and passes every rule of the launcher, with
+    the fastest activation-checkpointing mode that fits, best first: by predicted step time
+    (not rounded), then by memory. The global batch (sequences per optimizer step) is held
     fixed: micro_batch_size x grad_accum x world unless given; pipeline candidates run it as
     one flush of microbatches of micro_batch_size sequences."""
     c, t = cfg.cluster, cfg.train
@@ -232,9 +228,8 @@ def candidates(cfg: RunConfig, global_batch: Optional[int] = None, mfu: float = 
                 best = _fastest_fitting(cfg, train, fields, mfu)
                 if best is not None:
                     out.append(best)
-    # ties (communication hidden behind compute): what runs today, then the least memory
-    return sorted(out, key=lambda k: (round(k.time.step_s, 3) if k.time else 0.0, k.runnable is not None,
-                                      k.memory.total_bytes))
+    # exact ties (communication hidden behind compute): the least memory
+    return sorted(out, key=lambda k: (k.time.step_s if k.time else 0.0, k.memory.total_bytes))
 
 
 def _fastest_fitting(cfg: RunConfig, train, fields: dict, mfu: float) -> Optional[Candidate]:
@@ -243,17 +238,14 @@ def _fastest_fitting(cfg: RunConfig, train, fields: dict, mfu: float) -> Optiona
         strategy = StrategyConfig(mixed_precision=user.mixed_precision, pp_schedule=user.pp_schedule,
                                   compile=user.compile, activation_checkpointing=mode, **fields)
         trial = dataclasses.replace(cfg, strategy=strategy, train=train)
-        try:
+        try:  # the launcher's own rules (launcher.checks.check): a layout it refuses is no candidate
+            validate(trial)
             layout = build_layout(trial)
+            check_supported(trial, layout)
         except ConfigError:
             return None
         mem = estimate(trial, layout)
         if mem.fits is False:
             continue
-        try:
-            check_supported(trial, layout)
-            why = None
-        except ConfigError as exc:
-            why = str(exc)
-        return Candidate(trial, layout, mem, step_time(trial, layout, mfu), why)
+        return Candidate(trial, layout, mem, step_time(trial, layout, mfu))
     return None

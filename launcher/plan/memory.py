@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple
 
 from spec.config import ModelConfig, RunConfig
 from spec.layout import Layout
-from spec.model_size import count_params, ffn_hidden_dim, param_breakdown
+from spec.model_size import count_params, ffn_hidden_dim, largest_module_params, param_breakdown
 from spec.ds_config import deepspeed_config, use_bf16
 
 GB = 1e9
@@ -28,9 +28,18 @@ AC_MODES = ("none", "selective", "full")
 CUDA_OVERHEAD = 2.0e9
 # The caching allocator's fragmentation, as a share of everything allocated (assumption).
 FRAGMENTATION = 0.05
-# DeepSpeed ZeRO-3 keeps gathered parameters live up to stage3_max_live_parameters (its
-# default, which ds_config does not change) when they are reused soon (max_reuse_distance).
-DS_MAX_LIVE = 1_000_000_000
+# Host memory per node that offload may use when cluster.mem_gb is null (assumption: half
+# of the 2 TB of an 8-GPU A100/H100 server such as a DGX, the rest left to the system,
+# data loading and the page cache); cluster.mem_gb=... replaces it.
+HOST_MEM_ASSUMED = 1000e9
+# DeepSpeed ZeRO-3 (defaults that spec/ds_config.py keeps): a gathered parameter is not
+# released when it is used again within stage3_max_reuse_distance parameters of the trace;
+# the optimizer step upcasts the gradient partition to fp32 one sub_group_size at a time.
+DS_MAX_REUSE = 1_000_000_000
+DS_SUB_GROUP = 1_000_000_000
+# torchtitan's op-level selective checkpointing (not a mode of this trainer): the planner
+# models it for the comparison with torchtitan's published memory (docs/planner.md).
+OP_SAC = "selective_op"
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,12 @@ class Memory:
     cpu_bytes: float           # per rank, in host memory (offload)
     gpu_bytes: Optional[float]
     notes: Tuple[str, ...] = field(default=())
+    host_per_node: float = 0.0           # cpu_bytes x ranks per node
+    host_limit: Optional[float] = None   # per node: cluster.mem_gb, or HOST_MEM_ASSUMED on GPU clusters
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_limit is None or self.host_per_node <= self.host_limit
 
     @property
     def model_state_bytes(self) -> float:
@@ -65,7 +80,8 @@ class Memory:
 
     @property
     def fits(self) -> Optional[bool]:
-        return None if self.gpu_bytes is None else self.total_bytes <= self.gpu_bytes
+        """GPU memory (and, with offload, the node's host memory) suffices."""
+        return None if self.gpu_bytes is None else self.total_bytes <= self.gpu_bytes and self.host_fits
 
     @property
     def margin_bytes(self) -> Optional[float]:
@@ -120,6 +136,22 @@ def uses_autocast(cfg: RunConfig) -> bool:
     return cfg.strategy.engine == "torch" and cfg.strategy.data_parallel != "fsdp" and compute_bytes(cfg) == 2
 
 
+def op_sac_block_bytes(m: ModelConfig, tp: int, e: int) -> float:
+    """Bytes per token one block keeps under torchtitan's op-level selective checkpointing
+    (``_get_custom_policy``: the outputs of every other matmul, counted per block, and of
+    the attention kernel are saved, everything else recomputed): the block input, wq h,
+    wv kv, attention output h, w1 f, w2 h, all in compute dtype and sharded by tp."""
+    kv = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
+    return e * (4 * m.dim + kv + ffn_hidden_dim(m)) / tp
+
+
+def vocab_shards(layout: Layout) -> int:
+    """Ranks the logits are split over: tp without pipeline parallel (train/parallelize.py
+    keeps them sharded over the vocabulary and computes the loss vocab-parallel); a
+    pipeline's last stage gathers them whole."""
+    return layout.tp if layout.pp == 1 else 1
+
+
 def block_bytes(m: ModelConfig, tp: int, e: int, autocast: bool, checkpointed: bool) -> float:
     """Bytes one block saves for backward per token (Korthikanti et al. 2022's method
     applied to train/model.py's block: RMSNorm computed in fp32, GQA with fused attention,
@@ -158,18 +190,23 @@ def activation_terms(cfg: RunConfig, layout: Layout, mode: str) -> Tuple[float, 
                and, if that block is checkpointed, its recomputed activations (+1 block);
     head:      the output layer: the final norm 12h (its output gathered whole), the
                logits in compute dtype and the fp32 log-softmax cross-entropy keeps,
-               (e + 4) x vocab (whole on every TP rank: tp.py gathers the logits);
-    head gradient: the log-softmax's fp32 gradient, 4 x vocab."""
+               (e + 4) x vocab / v (v = :func:`vocab_shards`: the vocab-parallel loss);
+    head gradient: the log-softmax's fp32 gradient, 4 x vocab / v.
+    ``mode`` may also be :data:`OP_SAC` (torchtitan's op-level selective checkpointing)."""
     m = cfg.model
     e, autocast = compute_bytes(cfg), uses_autocast(cfg)
     layers = math.ceil(m.n_layers / layout.pp)
-    ckpt = checkpointed_blocks(layers, mode)
     full, kept = (block_bytes(m, layout.tp, e, autocast, c) for c in (False, True))
-    last_recomputed = mode == "full" or (mode == "selective" and (layers - 1) % 2 == 0)
+    if mode == OP_SAC:
+        ckpt, kept, last_recomputed = layers, op_sac_block_bytes(m, layout.tp, e), True
+    else:
+        ckpt = checkpointed_blocks(layers, mode)
+        last_recomputed = mode == "full" or (mode == "selective" and (layers - 1) % 2 == 0)
     saved = ckpt * kept + (layers - ckpt) * full
     flight = full + (full if last_recomputed else 0.0)
-    head = (12 - e) * m.dim / layout.tp + e * m.dim + (e + 4) * m.vocab_size
-    return saved, flight, head, 4.0 * m.vocab_size
+    v = vocab_shards(layout)
+    head = (12 - e) * m.dim / layout.tp + e * m.dim + (e + 4) * m.vocab_size / v
+    return saved, flight, head, 4.0 * m.vocab_size / v
 
 
 def pipeline_held(cfg: RunConfig, layout: Layout) -> Tuple[int, int]:
@@ -238,12 +275,15 @@ def _torch_states(cfg: RunConfig, layout: Layout, psi: int, block: int, root: in
 
 
 def _deepspeed_states(cfg: RunConfig, layout: Layout, psi: int, e: int):
-    """What DeepSpeed 0.19 holds at its optimizer step (measured, bench/planner.py): stage 1
-    and 2 keep the module's params (e Ψ), the reduced gradient partition (e Ψ/N) and its fp32
-    copy (4 Ψ/N), an fp32 master partition and Adam (12 Ψ/N): fp32 4 + 20/N, bf16 2 + 18/N,
-    so stage 1 = stage 2. Stage 3 partitions the params too: (2e + 16)/N.
-    Stage 0 keeps fp32 params, grads and Adam (bf16: BF16_Optimizer's bf16 params and grads,
-    fp32 master and accumulated grads). Buckets come from spec/ds_config.py."""
+    """What DeepSpeed 0.19 holds (measured, bench/planner.py): stage 1 and 2 keep the
+    module's params (e Ψ), the reduced gradient partition (e Ψ/N) and, at the step, its fp32
+    copy (4 Ψ/N), an fp32 master partition and Adam (12 Ψ/N): fp32 4 + 20/N, bf16 2 + 18/N.
+    Stage 1 with gradient accumulation reduces only at the boundary: the full gradients
+    (e Ψ) accumulate between micro-steps. Stage 3 partitions the params too and upcasts the
+    gradient partition to fp32 one sub-group (sub_group_size) at a time: (2e + 12)/N +
+    4 min(Ψ/N, sub group). Offloading the optimizer moves the gradient partition, its fp32
+    copy, the master and Adam to host memory. Stage 0 keeps fp32 params, grads and Adam
+    (bf16: BF16_Optimizer's bf16 params and grads, fp32 master and accumulated grads)."""
     s, n = cfg.strategy, layout.dp
     zero = deepspeed_config(cfg, n, "cuda" if cfg.cluster.accelerator == "gpu" else "cpu")["zero_optimization"]
     bucket = min(zero.get("reduce_bucket_size", 0), psi)
@@ -252,44 +292,77 @@ def _deepspeed_states(cfg: RunConfig, layout: Layout, psi: int, e: int):
             return 4.0 * psi, 4.0 * psi, ADAM * psi, 0.0, 0.0, 1
         return 2.0 * psi, 6.0 * psi, (MASTER + ADAM) * psi, 0.0, 0.0, 1
     p = e * psi / (n if s.zero_stage == 3 else 1)
-    # the reduced gradient partition (compute dtype) and, at the step, its fp32 copy for
-    # the optimizer; the fp32 master partition and Adam
-    g, o = (e + 4.0) * psi / n, (MASTER + ADAM) * psi / n
+    o, cpu = (MASTER + ADAM) * psi / n, 0.0
     if s.zero_stage < 3:
+        g = (e + 4.0) * psi / n
+        if s.zero_stage == 1 and cfg.train.grad_accum > 1 and layout.pp == 1:
+            g = max(g, e * psi)  # the full gradients, until the boundary's backward reduces them
         # the reduce bucket, doubled when overlap_comm double-buffers it (GPU)
         buffers = e * bucket * (2 if zero.get("overlap_comm") else 1)
+        if s.offload_optimizer:  # fp32 master, Adam and fp32 grads move to pinned host memory
+            cpu, g, o = o + 4.0 * psi / n, e * psi / n, 0.0
     else:
-        live = min(psi, DS_MAX_LIVE)
-        buffers = e * (bucket + min(zero["stage3_prefetch_bucket_size"], psi) + live)
-    cpu = 0.0
-    if s.offload_optimizer:  # fp32 master, Adam and fp32 grads move to pinned host memory
-        cpu += o + 4.0 * psi / n
-        g, o = e * psi / n, 0.0
+        g = e * psi / n + 4.0 * min(psi / n, DS_SUB_GROUP)
+        buffers = e * (bucket + min(zero["stage3_prefetch_bucket_size"], psi)) + zero3_gathered(cfg, layout, psi, e)
+        if s.offload_optimizer:  # the gradient partition buffer lives on the host (stage3.py: self.device)
+            cpu, g, o = o + (e + 4.0) * psi / n, 0.0, 0.0
     if s.offload_params:
         cpu += p
         p = 0.0
     return p, g, o, buffers, cpu, n
 
 
-def estimate(cfg: RunConfig, layout: Layout) -> Memory:
-    """Predicted memory per GPU of ``cfg`` laid out as ``layout``."""
-    s, e = cfg.strategy, compute_bytes(cfg)
-    psi, block, root = stage_params(cfg.model, layout.tp, layout.pp)
+def zero3_gathered(cfg: RunConfig, layout: Layout, psi: int, e: int, reuse_cache: bool = True) -> float:
+    """ZeRO-3's gathered parameters beyond the partition: the largest module gathered and its
+    unsharded gradient before the reduce-scatter (2e x largest: DeepSpeed's estimators count
+    4 x largest layer in fp16), and with ``reuse_cache`` the parameters kept gathered because
+    their next use comes within stage3_max_reuse_distance of the trace (at the turn from
+    forward to backward: the last modules, about half that distance, at least the head)."""
+    largest = largest_module_params(cfg.model) / layout.tp
+    cache = max(0.0, min(psi, DS_MAX_REUSE / 2) - largest) if reuse_cache else 0.0
+    return e * (2 * largest + cache)
+
+
+def model_states(cfg: RunConfig, layout: Layout, psi: int):
+    """(params, grads, optimizer, buffers, host bytes, shard degree) of one rank holding
+    ``psi`` parameters before data-parallel sharding (the engines' model, above)."""
+    e = compute_bytes(cfg)
+    if cfg.strategy.engine == "deepspeed":
+        return _deepspeed_states(cfg, layout, psi, e)
+    _, block, root = stage_params(cfg.model, layout.tp, layout.pp)
+    return _torch_states(cfg, layout, psi, block, root, e)
+
+
+def estimate(cfg: RunConfig, layout: Layout, mode: Optional[str] = None) -> Memory:
+    """Predicted memory per GPU of ``cfg`` laid out as ``layout``; ``mode``: the activation
+    checkpointing counted (default: the config's; :data:`OP_SAC` for torchtitan's)."""
+    s = cfg.strategy
+    psi = stage_params(cfg.model, layout.tp, layout.pp)[0]
     notes = []
+    p, g, o, buffers, cpu, shard = model_states(cfg, layout, psi)
     if s.engine == "deepspeed":
-        p, g, o, buffers, cpu, shard = _deepspeed_states(cfg, layout, psi, e)
-        # ds.build materialises the whole fp32 model on every rank before partitioning it
-        init = 4.0 * psi
-        notes.append("deepspeed materialises the full fp32 model before partitioning (no zero.Init)")
+        if s.zero_stage == 3 and not cfg.model.tie_embeddings:
+            # built under zero.Init: each rank allocates its partition plus one module's
+            # parameters at a time (train/strategies/deepspeed.py), all below the step's peak
+            init = p
+        else:
+            # stages 0-2 (and a tied model at stage 3) build the whole fp32 model on every
+            # rank before deepspeed.initialize partitions it
+            init = 4.0 * psi
+            notes.append("deepspeed materialises the full fp32 model before partitioning (stages 0-2, or tied "
+                         "embeddings)")
     else:
-        p, g, o, buffers, cpu, shard = _torch_states(cfg, layout, psi, block, root, e)
         init = p
-    acts = {mode: activation_bytes(cfg, layout, mode) for mode in AC_MODES}
-    act = acts[s.activation_checkpointing]
+    mode = mode or s.activation_checkpointing
+    acts = {m: activation_bytes(cfg, layout, m) for m in dict.fromkeys((*AC_MODES, mode))}
+    act = acts[mode]
     gpu = cfg.cluster.accelerator == "gpu"
     overhead = (CUDA_OVERHEAD + FRAGMENTATION * (p + g + o + act + buffers)) if gpu else 0.0
-    gpu_bytes = cfg.cluster.gpu_mem_gb * GB if cfg.cluster.gpu_mem_gb else None
+    c = cfg.cluster
+    gpu_bytes = c.gpu_mem_gb * GB if c.gpu_mem_gb else None
+    host_limit = c.mem_gb * GB if c.mem_gb else (HOST_MEM_ASSUMED if gpu else None)
     return Memory(strategy=s.name, params=count_params(cfg.model), stage_params=psi, dp_degree=layout.dp,
                   shard_degree=shard, param_bytes=p, grad_bytes=g, optimizer_bytes=o, activation_bytes=act,
                   activations_by_mode=acts, buffer_bytes=buffers, overhead_bytes=overhead, init_bytes=init,
-                  cpu_bytes=cpu, gpu_bytes=gpu_bytes, notes=tuple(notes))
+                  cpu_bytes=cpu, gpu_bytes=gpu_bytes, notes=tuple(notes), host_per_node=cpu * c.gpus_per_node,
+                  host_limit=host_limit)
