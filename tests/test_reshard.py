@@ -1,0 +1,234 @@
+"""Resume on another shape (``python -m launcher.resume RUN_DIR KEY=VALUE``): the
+checkpoint of a run saved at one world size and strategy continues at another.
+
+A run fails at step 7 (``fault.raise_at_step``) with its checkpoint of step 4; it is
+resumed on the new shape and completes. Its losses then equal, to fp32 rounding, those of
+an uninterrupted run (the same global batch sees the same data; the optimizer state came
+through, or the curves would part after step 5), and the sample trace of every rank
+(``fault.trace_samples``) shows each sample of the global stream seen once: nothing
+skipped or repeated across the change. Refusals and the batch arithmetic run without
+training.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import REPO, launcher
+from spec.config import DataConfig, RunConfig, to_yaml
+from spec.rundir import CONFIG, read_metrics, read_run_json
+
+BASE = ["train.steps=10", "train.seq_len=32", "data.num_tokens=50000", "fault.trace_samples=true"]
+GLOBAL = 32  # sequences per step in every run here
+
+
+def resume(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "launcher.resume", str(run_dir), *overrides], cwd=run_dir.parent,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def losses(run_dir: Path) -> dict:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+
+
+def traced_steps(run_dir: Path) -> dict:
+    """step -> window ids of that step, all ranks of the last segment that ran it."""
+    seen: dict = {}  # step -> {segment: [ids]}
+    for path in (run_dir / "logs").glob("samples_seg*_rank*.txt"):
+        segment = int(path.name.split("_")[1][3:])
+        for line in path.read_text().splitlines():
+            step, *ids = (int(x) for x in line.split())
+            seen.setdefault(step, {}).setdefault(segment, []).extend(ids)
+    return {step: by_segment[max(by_segment)] for step, by_segment in seen.items()}
+
+
+def stream(count: int) -> np.ndarray:
+    """The first ``count`` samples of the global stream of these runs (dp 1 sees it all)."""
+    from train.data import ShardedLoader, token_file
+
+    cfg = DataConfig(num_tokens=50000)
+    return ShardedLoader(token_file(cfg, 256), 256, 32, 1, 1, 0, 1, seed=cfg.seed).stream(0, count)
+
+
+def assert_every_sample_once(run_dir: Path, steps: int = 10) -> None:
+    traced = traced_steps(run_dir)
+    assert sorted(traced) == list(range(1, steps + 1))
+    want = stream(steps * GLOBAL)
+    for step, ids in traced.items():
+        assert sorted(ids) == sorted(want[(step - 1) * GLOBAL:step * GLOBAL].tolist()), step
+    everything = [i for ids in traced.values() for i in ids]
+    assert len(everything) == len(set(everything)) == steps * GLOBAL  # none repeated, none skipped
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted curve: FSDP on 4 ranks, global batch 32."""
+    root = tmp_path_factory.mktemp("reference")
+    proc = launcher(BASE + ["+strategy=fsdp", "cluster.gpus_per_node=4", f"launcher.run_dir={root}/run"], cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return losses(root / "run")
+
+
+def failed_at_7(tmp_path: Path, args: list) -> Path:
+    run = tmp_path / "run"
+    proc = launcher(BASE + args + ["checkpoint.every_steps=4", "fault.raise_at_step=7", f"launcher.run_dir={run}"],
+                    cwd=tmp_path)
+    assert proc.returncode != 0 and read_run_json(run)["status"] == "failed", proc.stdout + proc.stderr
+    return run
+
+
+def assert_continued(run: Path, reference: dict, before: dict, after: dict) -> None:
+    info = read_run_json(run)
+    assert info["status"] == "completed" and info["world_size"] == after["world_size"]
+    (change,) = info["reshaped"]
+    assert change["at_step"] == 4
+    assert {k: change["from"][k] for k in before} == before and {k: change["to"][k] for k in after} == after
+    assert change["to"]["global_batch"] == change["from"]["global_batch"] == GLOBAL
+    assert "resharded: saved by" in (run / "logs" / "rank0.log").read_text()
+    got = losses(run)
+    assert sorted(got) == list(range(1, 11))
+    assert all(math.isclose(got[s], reference[s], rel_tol=0, abs_tol=1e-5) for s in got), (got, reference)
+    assert_every_sample_once(run)
+
+
+@pytest.mark.slow
+def test_fsdp_4_ranks_resumed_on_2(tmp_path, reference):
+    run = failed_at_7(tmp_path, ["+strategy=fsdp", "cluster.gpus_per_node=4"])
+    proc = resume(run, "cluster.gpus_per_node=2", "fault.raise_at_step=0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "global batch kept at 32 sequences: dp 4 -> 2" in proc.stdout
+    assert yaml.safe_load((run / CONFIG).read_text())["train"]["grad_accum"] == 2
+    assert_continued(run, reference, {"world_size": 4, "strategy": "fsdp"},
+                     {"world_size": 2, "strategy": "fsdp", "micro_batch_size": 8, "grad_accum": 2})
+
+
+@pytest.mark.slow
+def test_ddp_2_ranks_resumed_as_fsdp_on_4(tmp_path, reference):
+    run = failed_at_7(tmp_path, ["cluster.gpus_per_node=2", "train.grad_accum=2"])  # ddp, 8 x 2 x 2 = 32
+    proc = resume(run, "strategy=fsdp", "cluster.gpus_per_node=4", "fault.raise_at_step=0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_continued(run, reference, {"world_size": 2, "strategy": "ddp"},
+                     {"world_size": 4, "strategy": "fsdp", "grad_accum": 1})
+
+
+@pytest.mark.slow
+def test_deepspeed_zero1_4_ranks_resumed_as_zero2_on_2(tmp_path, reference):
+    """DeepSpeed refuses ZeRO partitions of another DP size: the trainer converts the step
+    to the universal format (checkpoints/universal/) and loads that."""
+    run = failed_at_7(tmp_path, ["+strategy=zero1", "cluster.gpus_per_node=4"])
+    proc = resume(run, "strategy=zero2", "cluster.gpus_per_node=2", "fault.raise_at_step=0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (run / "checkpoints" / "universal" / "step_00000004" / "state" / "zero").is_dir()
+    assert_continued(run, reference, {"world_size": 4, "zero_stage": 1}, {"world_size": 2, "zero_stage": 2})
+
+
+# --- without training: the loader, the refusals, the batch arithmetic -------------------
+
+
+@pytest.mark.parametrize("before,after", [(4, 2), (2, 4), (4, 1)])
+def test_loader_resumed_at_another_dp_degree_sees_every_sample_once(tmp_path, before, after):
+    """Steps 0-2 at one degree, saved, steps 3-5 at another with the same global batch."""
+    from train.data import ShardedLoader, token_file
+
+    path = token_file(DataConfig(num_tokens=20_000, cache_dir=str(tmp_path)), 256)
+
+    def loaders(dp):
+        return [ShardedLoader(path, 256, 16, 2, GLOBAL // 2 // dp, r, dp, seed=3) for r in range(dp)]
+
+    seen, first = [], loaders(before)
+    for _ in range(3):
+        for loader in first:
+            seen += [row for inputs, _ in loader.next_step() for row in map(tuple, inputs.tolist())]
+    state = first[0].state_dict()
+    assert state == {"step": 3, "samples": 3 * GLOBAL, "global_batch": GLOBAL}
+    second = loaders(after)
+    for loader in second:
+        loader.load_state_dict(state)
+    for _ in range(3):
+        for loader in second:
+            seen += [row for inputs, _ in loader.next_step() for row in map(tuple, inputs.tolist())]
+    whole = ShardedLoader(path, 256, 16, 6 * GLOBAL, 1, 0, 1, seed=3).next_step()[0][0]
+    assert sorted(seen) == sorted(map(tuple, whole.tolist()))  # each of the first 6 x 32 samples once
+
+
+def test_loader_after_a_global_batch_change_continues_at_the_sample(tmp_path):
+    from train.data import ShardedLoader, token_file
+
+    path = token_file(DataConfig(num_tokens=20_000, cache_dir=str(tmp_path)), 256)
+    small = ShardedLoader(path, 256, 16, 4, 1, 0, 1, seed=3)
+    small.next_step()
+    big = ShardedLoader(path, 256, 16, 8, 1, 0, 1, seed=3)
+    big.load_state_dict(small.state_dict())
+    assert (big.state.step, big.state.samples) == (1, 4)
+    assert np.array_equal(big._window_ids(), big.stream(4, 8))
+    legacy = ShardedLoader(path, 256, 16, 8, 1, 0, 1, seed=3)
+    legacy.load_state_dict({"step": 2})  # a checkpoint from before the loader kept samples
+    assert legacy.state.samples == 16
+    wrap = ShardedLoader(path, 256, 16, 8, 1, 0, 1, seed=3)  # a batch across the end of an epoch
+    ids = wrap.stream(wrap.num_windows - 3, 8)
+    assert len(set(ids[:3].tolist())) == 3 and len(set(ids[3:].tolist())) == 5
+
+
+def saved_run(tmp_path: Path, **sections) -> Path:
+    cfg = RunConfig()
+    cfg.cluster.gpus_per_node = 4
+    for dotted, value in sections.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CONFIG).write_text(to_yaml(cfg))
+    return run
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["model.dim=128"], "model.dim=128: a resume keeps the saved run's model"),
+    (["data.seed=5"], "data.seed=5: a resume keeps the saved run's data stream"),
+    (["train.seq_len=128"], "train.seq_len=128: a resume keeps train.seq_len=64"),
+    (["strategy=zero2"], "strategy.engine=deepspeed (strategy=zero2): the checkpoint was saved by the torch engine"),
+    (["strategy=tp"], "resuming at another tensor_parallel degree is not supported"),
+    (["cluster.gpus_per_node=3"], "data-parallel degree 3 does not divide the global batch of 32"),
+    (["train.nope=1"], "unknown field 'train.nope'"),
+    (["cluster.nodes=1,2"], "one value per field"),
+    (["strategy=nope"], "unknown strategy 'nope'"),
+])
+def test_a_change_the_checkpoint_cannot_take_is_refused(tmp_path, capsys, overrides, words):
+    from launcher.track.resume import main
+
+    run = saved_run(tmp_path)
+    before = (run / CONFIG).read_text()
+    assert main([str(run), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
+    assert (run / CONFIG).read_text() == before and not (run / "run.json").exists()  # nothing written
+
+
+@pytest.mark.parametrize("stage,overrides", [(3, ["cluster.gpus_per_node=2"]), (1, ["strategy=zero3"]),
+                                             (0, ["strategy.zero_stage=1"])])
+def test_deepspeed_reshapes_it_cannot_load_are_refused(tmp_path, capsys, stage, overrides):
+    from launcher.track.resume import main
+
+    run = saved_run(tmp_path, strategy__engine="deepspeed", strategy__name=f"zero{stage}", strategy__zero_stage=stage)
+    assert main([str(run), *overrides]) == 2
+    assert "strategy.zero_stage=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gpus,micro,accum", [(2, 8, 2), (8, 4, 1), (1, 8, 4), (16, 2, 1)])
+def test_the_global_batch_is_kept_when_dp_changes(tmp_path, gpus, micro, accum):
+    from launcher.track.resume import reshape
+
+    cfg = RunConfig()
+    cfg.cluster.gpus_per_node = 4  # ddp: dp 4, 8 x 1 x 4 = 32
+    new, notes = reshape(cfg, [f"cluster.gpus_per_node={gpus}"])
+    assert (new.train.micro_batch_size, new.train.grad_accum) == (micro, accum)
+    assert new.train.micro_batch_size * new.train.grad_accum * gpus == GLOBAL and notes
+    given, _ = reshape(cfg, ["cluster.gpus_per_node=2", "train.grad_accum=1"])  # asked for: a new global batch
+    assert (given.train.micro_batch_size, given.train.grad_accum) == (8, 1)
