@@ -6,11 +6,12 @@ a small Llama with the project's own code (train.parallelize: the builders the j
 use), take two optimizer steps, and measure:
 
 - model states: unique storages of every live tensor right after the optimizer's step
-  (a gc census, as DESIGN.md advises: RSS overstates sharded strategies), minus what
-  lived before the model was built and the logits the loop still holds. Predicted:
-  params + grads + optimizer (+ host memory) of launcher.memory.estimate;
-- activations: the distinct storages autograd saves for backward in one step (saved-
-  tensor hooks), parameters aside; pipeline runs: the most saved at any one time, as a
+  and, with gradient accumulation, at the start of every forward (a gc census, as
+  DESIGN.md advises: RSS overstates sharded strategies), minus what lived before the
+  model was built and the logits the loop still holds. Predicted: params + grads +
+  optimizer (+ host memory) of launcher.memory.estimate;
+- activations: the distinct storages autograd saves for backward in one micro-step
+  (saved-tensor hooks), parameters aside; pipeline runs: the most saved at any one time, as a
   stage frees each micro-batch's in its backward. Predicted: the planner's activations
   without what autograd does not save (``predicted_saved``);
 - peak: the rise of the peak RSS over the RSS before the model was built, with

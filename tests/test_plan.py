@@ -299,3 +299,90 @@ def test_plan_help_prints_its_options_and_groups():
     proc = plan_cli(["--help"])
     assert proc.returncode == 0, proc.stderr
     assert "plan.format=table|json" in proc.stdout and "strategy=ddp," in proc.stdout and "zero3" in proc.stdout
+
+
+@pytest.mark.parametrize("overrides", [
+    ["+model=llama3_70b", "cluster.nodes=2", *LONG],
+    ["+model=llama3_70b", "cluster.nodes=4", *LONG],
+    ["+model=llama3_8b", "train.seq_len=2048", "train.micro_batch_size=2"],
+])
+def test_ranking_holds_only_runnable_fitting_layouts_by_exact_step_time(overrides):
+    """Every recommended layout passes the launcher's checks and fits; the order is the
+    predicted step time itself (then memory), so MFU never rises down the list."""
+    from launcher.checks import check
+
+    cands = candidates(compose_run(["+cluster=h100x8", *overrides]))
+    assert cands
+    for k in cands:
+        assert k.memory.fits and k.memory.host_fits
+        dry = dataclasses.replace(k.cfg, launcher=dataclasses.replace(k.cfg.launcher, dry_run=True))
+        check(dry)  # raises ConfigError for anything the launcher would refuse
+    keys = [(k.time.step_s, k.memory.total_bytes) for k in cands]
+    assert keys == sorted(keys)
+    mfus = [k.time.mfu for k in cands]
+    assert all(a >= b - 1e-12 for a, b in zip(mfus, mfus[1:]))
+
+
+def _suggestions(message):
+    """The fixes an OOM refusal names: ``use A or B, or launcher.allow_oom=true ...``."""
+    fixes = message.split("; use ", 1)[1].rsplit(", or launcher.allow_oom=true", 1)[0]
+    return [fix.split(" in place of ")[0].split(" (python -m")[0] for fix in fixes.split(" or ")]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["+cluster=a100x8", "+model=llama3_70b", "cluster.nodes=4"],
+    ["+cluster=h100x8", "+model=llama3_8b", "+strategy=ddp", *LONG],
+    ["+cluster=h100x8", "+model=llama3_70b", "+strategy=zero3", "cluster.nodes=2", *LONG],
+    ["+cluster=h100x8", "+model=llama3_8b", "+strategy=fsdp", "train.seq_len=8192", "train.micro_batch_size=4"],
+])
+def test_every_suggestion_of_an_oom_refusal_is_accepted(overrides):
+    """Each fix printed with the refusal, applied as it says (a +strategy=... replaces the
+    user's strategy overrides), passes the launcher's own checks."""
+    from launcher.checks import check
+
+    with pytest.raises(ConfigError) as exc:
+        cfg = compose_run(overrides)
+        check_fits(cfg, build_layout(cfg))
+    fixes = _suggestions(str(exc.value))
+    assert fixes and all(f.strip() for f in fixes), str(exc.value)
+    for fix in fixes:
+        if fix.startswith("more nodes"):
+            continue
+        words = fix.split()
+        mine = [o for o in overrides if not o.lstrip("+").startswith("strategy")] if words[0].startswith("+strategy=") \
+            else overrides
+        check(compose_run([*mine, *words, "launcher.dry_run=true"]))
+
+
+def test_nothing_runnable_exits_1_with_the_reason_in_text_and_json():
+    args = ["+cluster=h100x8", "+model=llama3_405b", *LONG]
+    text = plan_cli(args)
+    assert text.returncode == 1, text.stdout + text.stderr
+    assert "no layout of llama3_405b on 1 x h100x8" in text.stdout
+    assert text.stderr.strip().startswith("error: cluster.nodes=1: no layout") and len(text.stderr.splitlines()) == 1
+    js = plan_cli([*args, "plan.format=json", "plan.recommend=true"])
+    assert js.returncode == 1 and "no layout of llama3_405b" in js.stderr
+    assert json.loads(js.stdout) == [{"error": js.stderr.strip()[len("error: "):]}]
+    rows = plan_cli([*args, "+strategy=fsdp", "plan.format=json"])  # a plan, no recommendation asked: 0
+    assert rows.returncode == 0 and json.loads(rows.stdout)[0]["fits"] is False
+
+
+def test_every_strategy_skipped_is_bad_input():
+    proc = plan_cli(["+cluster=h100x8", "cluster.gpus_per_node=6", "cluster.nvlink_domain=4", "plan.format=json"])
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cluster.nvlink_domain=4 must divide cluster.gpus_per_node=6" in lines[0]
+
+
+def test_offload_needs_host_memory():
+    """zero3_offload of 70B on one node offloads 20 x 70.6e9 = 1.41 TB: more than the 1 TB
+    assumed without cluster.mem_gb, less than cluster.mem_gb=2000."""
+    base = ["+cluster=h100x8", "+model=llama3_70b", "+strategy=zero3_offload", "strategy.activation_checkpointing=full",
+            "train.seq_len=2048", "train.micro_batch_size=1"]
+    cfg = compose_run(base)
+    mem = estimate(cfg, build_layout(cfg))
+    assert mem.host_per_node == pytest.approx(20 * count_params(cfg.model)) and not mem.host_fits and not mem.fits
+    with pytest.raises(ConfigError, match=r"^cluster.mem_gb=null \(assumed 1000.0 GB\): llama3_70b"):
+        check_fits(cfg, build_layout(cfg))
+    big = compose_run([*base, "cluster.mem_gb=2000"])
+    assert estimate(big, build_layout(big)).fits
