@@ -346,11 +346,12 @@ def estimate(cfg: RunConfig, layout: Layout, mode: Optional[str] = None) -> Memo
             # parameters at a time (train/strategies/deepspeed.py), all below the step's peak
             init = p
         else:
-            # stages 0-2 (and a tied model at stage 3) build the whole fp32 model on every
-            # rank before deepspeed.initialize partitions it
-            init = 4.0 * psi
-            notes.append("deepspeed materialises the full fp32 model before partitioning (stages 0-2, or tied "
-                         "embeddings)")
+            # stages 0-2 (and a tied model at stage 3) build the whole model on every rank, in
+            # the compute dtype, before deepspeed.initialize partitions it; its flattened copy
+            # is made on the GPU only when memory allows (else on the host: stage_1_and_2.py)
+            init = compute_bytes(cfg) * float(psi)
+            notes.append("deepspeed builds the whole model on every rank before partitioning (stages 0-2, or "
+                         "tied embeddings)")
     else:
         init = p
     mode = mode or s.activation_checkpointing
