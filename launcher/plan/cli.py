@@ -94,7 +94,8 @@ def to_json(cfg: RunConfig, layout: Layout, mem: Memory, time: Optional[StepTime
         "activation_bytes": mem.activation_bytes, "total_bytes": mem.total_bytes, "gpu_bytes": mem.gpu_bytes,
         "fits": mem.fits,
         "buffer_bytes": mem.buffer_bytes, "overhead_bytes": mem.overhead_bytes, "init_bytes": mem.init_bytes,
-        "cpu_bytes": mem.cpu_bytes, "margin_bytes": mem.margin_bytes, "stage_params": mem.stage_params,
+        "cpu_bytes": mem.cpu_bytes, "host_bytes_per_node": mem.host_per_node, "host_limit_bytes": mem.host_limit,
+        "host_fits": mem.host_fits, "margin_bytes": mem.margin_bytes, "stage_params": mem.stage_params,
         "shard_degree": mem.shard_degree, "activation_checkpointing": cfg.strategy.activation_checkpointing,
         "activations_by_mode": mem.activations_by_mode, "engine": cfg.strategy.engine,
         "zero_stage": cfg.strategy.zero_stage, "layout": dict(zip(("pp", "dp_replicate", "dp_shard", "tp"),
@@ -189,7 +190,7 @@ def nothing_runnable(cfg: RunConfig) -> str:
     """Why no layout is recommended (one line, with the fix)."""
     c = cfg.cluster
     return (f"cluster.nodes={c.nodes}: no layout of {cfg.model.name} on {c.nodes} x {c.name} both fits "
-            f"{c.gpu_mem_gb:g} GB per GPU and runs in this version (micro-batch {cfg.train.micro_batch_size} x "
+            f"{c.gpu_mem_gb:g} GB per GPU (and the host memory offload needs) and runs in this version (micro-batch {cfg.train.micro_batch_size} x "
             f"train.seq_len={cfg.train.seq_len}); use more nodes, a shorter train.seq_len or a smaller "
             "train.micro_batch_size" if c.gpu_mem_gb else f"no layout of {cfg.model.name} on {c.name} runs in this "
             "version")
