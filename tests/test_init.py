@@ -38,3 +38,23 @@ def test_chunks_keep_blocks_of_sixteen():
         assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
         assert all((e - s) * row % 16 == 0 for s, e in chunks[:-1])
         assert (chunks[-1][1] - chunks[-1][0]) * row >= 16 or len(chunks) == 1
+
+
+def test_a_flat_partition_is_filled_from_the_rows_that_hold_it():
+    """ZeRO-3's partition of a weight is a flat range of it, padded at the end: each rank's
+    piece, filled from only the rows it spans, equals that range of the whole draw."""
+    cfg, name = ModelConfig(), "layers.1.feed_forward.w2.weight"
+    for shape in ((37, 11), (64, 16), (5,)):
+        whole = model.initial_tensor(cfg, name, shape, 7).reshape(-1)
+        numel = whole.numel()
+        for world in (1, 2, 3, 4, 8):
+            size = -(-numel // world)
+            for rank in range(world):
+                start, end = rank * size, min(rank * size + size, numel)
+                out = torch.full((size,), -1.0)
+                row = 1 if len(shape) == 1 else shape[1]
+                if end > start:
+                    rows = (start // row, -(-end // row))
+                    model.copy_flat(out, model.initial_chunks(cfg, name, shape, 7, rows), row, start)
+                    assert torch.equal(out[:end - start], whole[start:end]), (shape, world, rank)
+                assert torch.all(out[max(end - start, 0):] == -1.0)  # the padding is left alone

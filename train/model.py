@@ -144,22 +144,47 @@ def initial_tensor(cfg: ModelConfig, name: str, shape: tuple, seed: int,
                    rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """The initial value of weight ``name`` (fp32, CPU), the same for every layout; with
     ``rows`` = (lo, hi) only those rows of it, drawn without the rest (see :func:`_row_chunks`)."""
+    if rows is None and initial_std(cfg, name) is not None:
+        gen = _generator(name, seed)
+        return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(initial_std(cfg, name))
+    pieces = [t for _, t in initial_chunks(cfg, name, shape, seed, rows or (0, shape[0]))]
+    return torch.cat(pieces) if pieces else torch.empty((0, *shape[1:]))
+
+
+def _generator(name: str, seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def initial_chunks(cfg: ModelConfig, name: str, shape: tuple, seed: int,
+                   rows: Tuple[int, int]) -> Iterator[Tuple[int, torch.Tensor]]:
+    """Rows ``rows`` = (lo, hi) of weight ``name``'s initial value, as (first row, values)
+    pieces in order, each a few MB: a rank fills its shard piece by piece, never holding
+    more than one piece beside it. Rows after ``hi`` are not drawn."""
+    lo, hi = rows
     std = initial_std(cfg, name)
-    lo, hi = rows if rows is not None else (0, shape[0])
     if std is None:
-        return torch.ones((hi - lo, *shape[1:]))
-    gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    if rows is None:
-        return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std)
-    row = math.prod(shape[1:])
-    kept = []
-    for start, end in _row_chunks(shape[0], row):
+        if hi > lo:
+            yield lo, torch.ones((hi - lo, *shape[1:]))
+        return
+    gen = _generator(name, seed)
+    for start, end in _row_chunks(shape[0], math.prod(shape[1:])):
         if start >= hi:
-            break  # the rest of the stream is other ranks' rows
+            return  # the rest of the stream is other ranks' rows
         chunk = torch.randn((end - start, *shape[1:]), generator=gen, dtype=torch.float32)
         if end > lo:
-            kept.append(chunk[max(lo, start) - start:min(hi, end) - start])
-    return torch.cat(kept).mul_(std) if kept else torch.empty((0, *shape[1:]))
+            yield max(lo, start), chunk[max(lo, start) - start:min(hi, end) - start].mul_(std)
+
+
+def copy_flat(out: torch.Tensor, pieces: Iterable[Tuple[int, torch.Tensor]], row: int, start: int) -> None:
+    """Copy the elements ``start .. start + out.numel()`` of a flattened weight into the 1-D
+    ``out`` from its (first row, rows) ``pieces`` (ZeRO-3's partition of a parameter is a
+    flat range of it; elements past the weight's end stay as they are: padding)."""
+    end = start + out.numel()
+    for first_row, rows in pieces:
+        flat, first = rows.reshape(-1), first_row * row
+        lo, hi = max(start, first), min(end, first + flat.numel())
+        if hi > lo:
+            out[lo - start:hi - start].copy_(flat[lo - first:hi - first])
 
 
 def _row_chunks(n_rows: int, row: int, target: int = 1 << 22) -> Iterator[Tuple[int, int]]:
@@ -219,10 +244,10 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             t = param.data
             rows = local_rows(t)
-            if rows is not None:  # FSDP / HSDP: draw only up to this rank's rows, keep them
+            if rows is not None:  # FSDP / HSDP: draw only up to this rank's rows, piece by piece
                 local = t.to_local()
-                local.copy_(initial_tensor(self.cfg, clean_name(name), tuple(t.shape), seed, rows)
-                            .to(local.dtype).reshape(local.shape))
+                for first, piece in initial_chunks(self.cfg, clean_name(name), tuple(t.shape), seed, rows):
+                    local[first - rows[0]:first - rows[0] + piece.shape[0]].copy_(piece)
             else:
                 full = initial_tensor(self.cfg, clean_name(name), tuple(t.shape), seed).to(t.dtype)
                 if isinstance(t, DTensor):

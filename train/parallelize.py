@@ -68,6 +68,4 @@ def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistCon
 
     parts = builder.wrap(model, prepare)
     builder.materialise(parts, cfg.model.hf_path)
-    engine = builder.finish(parts)
-    engine.loss_parallel = vocab_parallel  # TorchEngine computes the loss under loss_parallel
-    return engine
+    return builder.finish(parts)  # the loss sees the logits sharded: train.strategies.base.loss_fn

@@ -27,12 +27,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tupl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from spec.config import OptimConfig, RunConfig
 from spec.layout import Layout
 from train.harness.dist import DistContext
 from train.metrics import peak_memory_bytes
+from train.strategies.vocab_parallel import is_vocab_sharded, vocab_parallel_cross_entropy
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 #: Steps 1-3 of parallelisation on one module (the whole model or a pipeline stage).
@@ -40,6 +40,10 @@ Prepare = Callable[[nn.Module], None]
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy; logits sharded over the vocabulary (tensor parallel's head) are
+    reduced in parallel, never gathered (train/strategies/vocab_parallel.py)."""
+    if is_vocab_sharded(logits):
+        return vocab_parallel_cross_entropy(logits, targets)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
@@ -165,11 +169,7 @@ class TorchEngine(DCPState):
     """Forward/backward over the micro-batches of one step, clip, optimizer step.
 
     ``no_sync`` (DDP) skips the gradient all-reduce for all but the last micro-batch.
-    ``loss_parallel`` (set by train.parallelize under tensor parallel): the logits are
-    sharded over the vocabulary and the loss is computed vocab-parallel.
     """
-
-    loss_parallel = False
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig,
                  device: torch.device, no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None):
@@ -194,12 +194,12 @@ class TorchEngine(DCPState):
         for i, (inputs, targets) in enumerate(batches):
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if (last or self._no_sync is None) else self._no_sync()
-            with sync, vocab_parallel_loss(self.loss_parallel):
+            with sync:
                 with self._autocast():
                     logits = self.module(inputs.to(self.device, non_blocking=True))
                 loss = loss_fn(logits, targets.to(self.device, non_blocking=True)) / len(batches)
                 loss.backward()
-            total += plain(loss.detach())
+            total += loss.detach()
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -208,35 +208,19 @@ class TorchEngine(DCPState):
         return total, grad_norm
 
     def eval_loss(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
-        return forward_loss(self.module, micro_batches, self.device, self._autocast, self.loss_parallel)
-
-
-def plain(t: torch.Tensor) -> torch.Tensor:
-    """A loss computed vocab-parallel is a replicated DTensor: its value as a plain tensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def vocab_parallel_loss(enabled: bool) -> contextlib.AbstractContextManager:
-    """torch's ``loss_parallel``: cross-entropy over logits sharded on the vocabulary (TP's
-    head output), forward and backward, without gathering them."""
-    if not enabled:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
+        return forward_loss(self.module, micro_batches, self.device, self._autocast)
 
 
 def forward_loss(forward: Callable[[torch.Tensor], torch.Tensor], micro_batches: Iterable[Batch],
-                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager],
-                 vocab_parallel: bool = False) -> torch.Tensor:
+                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
     """Mean loss of ``forward`` over the micro-batches, without gradients (evaluation)."""
     batches = list(micro_batches)
     total = torch.zeros((), device=device)
-    with torch.no_grad(), vocab_parallel_loss(vocab_parallel):
+    with torch.no_grad():
         for inputs, targets in batches:
             with autocast():
                 logits = forward(inputs.to(device, non_blocking=True))
-            total += plain(loss_fn(logits, targets.to(device, non_blocking=True))) / len(batches)
+            total += loss_fn(logits, targets.to(device, non_blocking=True)) / len(batches)
     return total
 
 

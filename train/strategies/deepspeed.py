@@ -10,10 +10,11 @@ client optimizer is torch AdamW with the same parameter groups as the torch stra
 so every engine does the same maths.
 
 Stage 3 builds the model under ``deepspeed.zero.Init``: each module's parameters are
-partitioned as soon as it is built, so no rank ever holds more than its share plus one
-module's; the weights are then filled one parameter at a time inside
-``GatheredParameters`` (rank 0 writes the initial value, or the Hugging Face checkpoint's
-tensor, and DeepSpeed re-partitions it). A model with tied embeddings takes the plain
+partitioned as soon as it is built, without zero.Init's broadcast of each new parameter
+and without initialising it (:func:`partitioned_build`, :func:`no_initial_values`: the
+whole parameter's pages are never written, so never resident); each rank then fills its own partition of every parameter from the rows that
+hold it (the initial values every layout gets, or the Hugging Face checkpoint's rows),
+without gathering. A model with tied embeddings takes the plain
 path (DeepSpeed's partitioning does not follow a parameter shared by two modules).
 Stages 0-2 keep every parameter on every rank anyway: the model is materialised in
 full, in the training dtype (bf16: 2 bytes per parameter), then ``deepspeed.initialize``
@@ -22,6 +23,7 @@ partitions optimizer states (and gradients).
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Tuple
@@ -134,7 +136,7 @@ class DeepSpeedBuilder(EngineBuilder):
 
         self.shard(model)
         config = deepspeed_config(self.cfg, self.layout.dp, self.ctx.device.type)
-        with deepspeed.zero.Init(config_dict_or_path=config):
+        with partitioned_build(config), no_initial_values():
             built = Transformer(self.cfg.model)
         prepare(built)
         return [built]
@@ -142,7 +144,7 @@ class DeepSpeedBuilder(EngineBuilder):
     def materialise(self, parts: List[nn.Module], hf_path) -> None:
         if not self._partitioned_init():
             return super().materialise(parts, hf_path)
-        fill_partitioned(parts[0], self.cfg, self.ctx.rank, self.ctx.device, hf_path)
+        fill_partitioned(parts[0], self.cfg, self.ctx.device, hf_path)
 
     def finish(self, parts: List[nn.Module]) -> DeepSpeedEngine:
         import deepspeed
@@ -153,28 +155,69 @@ class DeepSpeedBuilder(EngineBuilder):
         return DeepSpeedEngine(ds, self.ctx.device)
 
 
-@torch.no_grad()
-def fill_partitioned(model: nn.Module, cfg, rank: int, device: torch.device, hf_path) -> None:
-    """Every parameter of a ``zero.Init`` model, one at a time: gathered, written by rank 0
-    (the value every layout gets: :func:`train.model.initial_tensor`, or the Hugging Face
-    tensor), partitioned again on leaving the context."""
+@contextlib.contextmanager
+def no_initial_values():
+    """Modules built without their own initialisation (their weights are filled afterwards):
+    under ``zero.Init`` each parameter is whole only between its allocation and its
+    partitioning, and pages never written are never resident, so a rank's peak stays its
+    partition plus nothing (``transformers``' ``no_init_weights`` does the same)."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+def partitioned_build(config: Dict[str, Any]):
+    """``deepspeed.zero.Init`` without its broadcast of every new parameter from rank 0
+    (``Init._zero_init_param``: it makes the ranks' random module inits agree, and writes
+    the whole parameter on every rank). Here every rank fills its own partition afterwards
+    (:func:`fill_partitioned`), so the whole parameter is never written: its pages are never
+    resident, and no rank holds more than its partitions. The one use of a private
+    DeepSpeed method; it is checked to exist, so an upgrade that renames it fails here,
+    not silently."""
     import deepspeed
 
+    base = deepspeed.zero.Init
+    if not callable(getattr(base, "_zero_init_param", None)) or not callable(getattr(base, "_convert_to_deepspeed_param",
+                                                                                      None)):
+        raise RuntimeError(f"deepspeed {deepspeed.__version__}: zero.Init has no _zero_init_param / "
+                           "_convert_to_deepspeed_param; train/strategies/deepspeed.py partitioned_build needs updating")
+
+    class NoBroadcastInit(base):
+        def _zero_init_param(self, param):
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+    return NoBroadcastInit(config_dict_or_path=config)
+
+
+@torch.no_grad()
+def fill_partitioned(model: nn.Module, cfg, device: torch.device, hf_path) -> None:
+    """Every parameter of a ``zero.Init`` model, each rank its own partition only: the flat
+    range ``rank x partition .. + partition`` of the weight (DeepSpeed's
+    ``_partition_param``), from the rows that hold it (:func:`train.model.initial_chunks`,
+    or the Hugging Face tensor's rows read lazily). No gather, no communication."""
     from spec.hf import hf_name, tensor_index
-    from train.model import clean_name, initial_tensor
+    from train.model import clean_name, copy_flat, initial_chunks
 
-    files = tensor_index(hf_path) if hf_path and rank == 0 else {}
+    files = tensor_index(hf_path) if hf_path else {}
     for name, param in model.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-            if rank == 0:
-                ours = clean_name(name)
-                if hf_path:
-                    from safetensors import safe_open
+        ours, shape, part = clean_name(name), tuple(param.ds_shape), param.ds_tensor
+        row = math.prod(shape[1:])
+        start = part.ds_numel * param.ds_zero_partition_rank
+        end = min(start + part.ds_numel, math.prod(shape))
+        if end <= start:
+            continue  # this rank holds only padding of a small parameter
+        rows = (start // row, -(-end // row))
+        if hf_path:
+            from safetensors import safe_open
 
-                    theirs = hf_name(ours)
-                    with safe_open(str(Path(hf_path) / files[theirs][2]), framework="pt") as f:
-                        value = f.get_tensor(theirs)
-                else:
-                    value = initial_tensor(cfg.model, ours, tuple(param.shape), cfg.train.seed)
-                param.data.copy_(value)
+            theirs = hf_name(ours)
+            with safe_open(str(Path(hf_path) / files[theirs][2]), framework="pt") as f:
+                pieces = [(rows[0], f.get_slice(theirs)[rows[0]:rows[1]])]
+        else:
+            pieces = initial_chunks(cfg.model, ours, shape, cfg.train.seed, rows)
+        copy_flat(part.view(-1), pieces, row, start)
     model.init_buffers(device)

@@ -11,8 +11,8 @@ The plan is data: module FQN -> ParallelStyle, one for the root and one for ever
 - Embedding: row-parallel over the vocabulary (each rank looks up its rows, the partial
   results are reduce-scattered to sequence shards). Head: column-parallel over the
   vocabulary; its logits stay sharded over the vocabulary and the cross-entropy runs
-  vocab-parallel (``loss_parallel``, as torchtitan), so no rank holds the full
-  vocabulary's logits. Pipeline stages still gather them (the schedule computes the loss
+  vocab-parallel (train/strategies/vocab_parallel.py, as torchtitan's ``loss_parallel``
+  and Megatron-LM), so no rank holds the full vocabulary's logits. Pipeline stages still gather them (the schedule computes the loss
   itself).
 
 Every parameter ends up a DTensor on the TP mesh (norms replicated), so FSDP on top
@@ -36,7 +36,7 @@ from train.strategies.fsdp import DTensorEngine, dtensor_engine
 
 def root_plan(vocab_parallel: bool = False) -> Dict[str, ParallelStyle]:
     """``vocab_parallel``: the head's logits stay sharded over the vocabulary (a DTensor)
-    and the loss is computed in parallel under ``loss_parallel`` (see TorchEngine); else
+    and ``loss_fn`` computes the loss in parallel (train/strategies/vocab_parallel.py); else
     they are gathered, every TP rank holding the full vocabulary's logits."""
     head = (ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
             if vocab_parallel else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
