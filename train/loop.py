@@ -198,6 +198,10 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         last = step + 1 == cfg.train.steps
         if (agreed.preempted or agreed.save_due or (every and (step + 1) % every == 0 and not last)
                 or (last and cfg.checkpoint.save_final)):
+            if agreed.preempted and ctx.is_main:  # when the signal came (bench/goodput.py); this line: save start
+                received = task.flag.received_at
+                log(f"signal agreed at step {step + 1}: received by rank 0 at "
+                    f"{'unknown' if received is None else f'{received:.3f}'}; saving")
             _save(task, ckpt, engine, loader, step, agreed.preempted)
             last_save = time.monotonic()
             if agreed.preempted:

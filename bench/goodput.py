@@ -1,0 +1,286 @@
+"""Goodput under repeated preemption on the local Slurm cluster (``make cluster-up``).
+
+A 2-node x 2-task run of the tiny model (DDP, gloo; ``fault.step_delay_s`` makes each
+step last a known time) is preempted every ``--period`` seconds by a job on the high
+partition that asks for every CPU of the run's own nodes (``-w``, as
+tests/test_preemption.py and tests/test_user_slurm.py do), ``--preemptions`` times; then
+it runs to its last step. Preemption k is sent at (start of the run's first step) +
+k x period, once the run trains again after the previous one. The run is
+bench/checkpoint.py's (``train.seq_len=32``, cluster ``localslurm``: 15 min per attempt, so
+keep the period well below 13 min or the signal counts as a timeout); ``--steps`` by
+default gives it (preemptions + 1) x period of training.
+
+Useful training time: the time of the steps whose results were kept, i.e. committed by a
+later checkpoint or present at the end. A segment's steps after the step the next
+segment resumed from (rank 0's "resumed from step N" line) were trained again: lost. A
+segment's useful time runs from the start of its first kept step (the metrics row's
+``time`` - ``step_time_s``) to the end of its last kept step (that row's ``time``), so it
+includes the per-step delay, the metrics write and the step's collective, and excludes
+everything between segments. Wall time: Slurm's Start of the job's first attempt to the
+End of its last (``sacct -D``, 1 s resolution). goodput = useful / wall; printed beside
+it, goodput with Slurm's requeue delay (every attempt's End -> the next attempt's
+Start) taken out of the wall time.
+
+Per preemption, on one clock (the cluster runs on this machine), from what the product
+records (rank 0's log, submitit's lines in task 0's ``RUN_DIR/slurm/JOB_0_log.out``,
+metrics.jsonl, sacct's Submit/Start/End of every attempt, 1 s resolution):
+
+- signal->save: signal received by rank 0 (the "signal agreed at step N: received by
+  rank 0 at T" line) -> save start (that line's own time: the ranks agreed to stop at
+  the step boundary). The steps trained meanwhile are kept: not lost time.
+- save: save start -> "checkpoint step N committed" (write, checksums, commit).
+- requeue wait: Slurm's End of the attempt -> Start of the next one.
+- start-up: Start -> the first step's start, less the restore.
+- restore: "rank 0 coords" line (model built) -> "resumed from step" line (checkpoint
+  verified and loaded).
+- lost: steps trained after the checkpoint (trained again), if any.
+- cost: end of the last kept step before -> start of the first step after.
+
+and split further: slurm signal (high job submitted, this script's clock -> rank 0's
+handler); commit->End (``scontrol requeue``: sacct's End); End->py done (submitit's
+"Exiting after" line); py->requeued (interpreter exit, or SIGKILL after KillWait, until
+Slurm requeues: the next attempt's Submit); pending (Submit -> Start; "held": the high
+job's own run); launch (Start -> submitit's "Starting with" line: srun, Python);
+init+build (-> "rank 0 coords": imports, rendezvous, model build); 1st step ("resumed"
+-> the first step's start).
+
+The first attempt's start-up and the last one's exit are paid by any run: shown apart.
+
+    flock /tmp/slurm-cluster.lock .venv/bin/python bench/goodput.py \\
+        [--period 180 --preemptions 3 --step-delay 0.5 --steps N --hold 2 --keep]
+    (short try: --period 60 --preemptions 2)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from checkpoint import CONF, ENDED, log_events, submit  # noqa: E402  (bench/checkpoint.py: the same run, its log)
+from slurm import query  # noqa: E402
+from spec.rundir import read_metrics, read_run_json  # noqa: E402
+
+SIGNAL = re.compile(r"^signal agreed at step (\d+): received by rank 0 at ([0-9.]+|unknown)")
+COMMIT = re.compile(r"^checkpoint step (\d+) committed in ([0-9.]+) s")
+BUILT = re.compile(r"^rank 0 coords")
+RESUMED = re.compile(r"^resumed from step (\d+) \(segment (\d+)\)")
+SUBMITIT = re.compile(r"^submitit \w+ \((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\) - (.*)$")
+STARTING = re.compile(r"^Starting with JobEnvironment")
+EXITING = re.compile(r"^Exiting after")
+
+
+def preempt(hosts: list, hold: float, env: dict) -> str:
+    """A high-partition job wanting every CPU of ``hosts``: Slurm preempts the run there."""
+    return subprocess.run(["sbatch", "--parsable", "-p", "high", "-w", ",".join(hosts), "-N", str(len(hosts)),
+                           "--ntasks-per-node=4", "-J", "goodput-preemptor", "--output=/dev/null",
+                           "--wrap", f"sleep {hold}"], env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def epoch(text: str):
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").timestamp()
+    except ValueError:  # Unknown, None
+        return None
+
+
+def accounting(jobs: list, env: dict, attempts: int, timeout: float = 30) -> dict:
+    """sacct's rows of every attempt (slurm.query: ``sacct -D``), once the last has an End."""
+    deadline = time.time() + timeout
+    while True:
+        rows = query.sacct_history(jobs, env)
+        mine = rows.get(jobs[0], [])
+        if len(mine) >= attempts and epoch(mine[-1]["End"]) or time.time() > deadline:
+            return {job: [dict(r, start=epoch(r["Start"]), end=epoch(r["End"])) for r in rows.get(job, [])]
+                    for job in jobs}
+        time.sleep(1)
+
+
+def drive(args, env: dict, work: Path) -> dict:
+    """Submit, preempt on schedule, wait for the end. Every time on time.time()'s clock."""
+    job, run_dir = submit(work, "run", args.steps, args.step_delay, env)
+    print(f"job {job}, run directory {run_dir}", flush=True)
+    deadline = time.time() + args.timeout
+    highs = []  # (job id, submitted at)
+    t_first = None
+    while True:
+        info = read_run_json(run_dir)
+        if info.get("status") in ENDED and not query.squeue([job], env):
+            break
+        if time.time() > deadline:
+            raise RuntimeError(f"job {job} did not finish in {args.timeout} s: {info}")
+        rows = read_metrics(run_dir)
+        if rows and t_first is None:
+            t_first = rows[0]["time"] - rows[0]["step_time_s"]
+        k = len(highs)
+        if (t_first is not None and k < args.preemptions and time.time() >= t_first + (k + 1) * args.period
+                and info.get("status") == "running" and rows[-1]["segment"] == k):  # training again
+            t_sent = time.time()
+            highs.append((preempt(info["hostnames"], args.hold, env), t_sent))
+            print(f"preemption {k + 1}: high job {highs[-1][0]} at +{highs[-1][1] - t_first:.0f} s, "
+                  f"after step {rows[-1]['step']}", flush=True)
+        time.sleep(0.5)
+    info = read_run_json(run_dir)
+    acct = accounting([job] + [h for h, _ in highs], env, int(info.get("segments", 1)))
+    return dict(job=job, run_dir=run_dir, info=info, highs=highs, acct=acct, rows=read_metrics(run_dir),
+                events=log_events(run_dir))
+
+
+def after(events: list, pattern: re.Pattern, t: float):
+    """The first (time, match) of ``events`` at or after ``t``; (None, None) if none."""
+    return next(((te, m) for te, msg in events if te >= t and (m := pattern.search(msg))), (None, None))
+
+
+def submitit_events(run_dir: Path, job: str) -> list:
+    """(time, message) of submitit's lines in task 0's output (every attempt appends to it)."""
+    path = run_dir / "slurm" / f"{job}_0_log.out"
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return [(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), m.group(2))
+            for line in lines if (m := SUBMITIT.match(line))]
+
+
+def kept_spans(rows: list, resumed: dict) -> dict:
+    """segment -> (start of its first kept step, end of its last kept step, seconds trained
+    after the checkpoint the next segment resumed from: lost)."""
+    spans = {}
+    for s in sorted({r["segment"] for r in rows}):
+        seg = [r for r in rows if r["segment"] == s]
+        kept = [r for r in seg if r["step"] <= resumed.get(s + 1, math.inf)]
+        if kept:
+            lost = seg[-1]["time"] - kept[-1]["time"]
+            spans[s] = (kept[0]["time"] - kept[0]["step_time_s"], kept[-1]["time"], lost)
+    return spans
+
+
+def analyse(res: dict) -> dict:
+    rows, events, attempts = res["rows"], res["events"], res["acct"][res["job"]]
+    sub = submitit_events(res["run_dir"], res["job"])
+    resumed = {int(m.group(2)): int(m.group(1)) for _, msg in events if (m := RESUMED.search(msg))}
+    spans = kept_spans(rows, resumed)
+    per = []
+    for k, (high, t_high) in enumerate(res["highs"]):
+        if k + 1 >= len(attempts) or k + 1 not in spans or k not in spans:
+            per.append(None)  # the run ended before this preemption took effect
+            continue
+        t_save, sig = after(events, SIGNAL, t_high)
+        t_commit, _ = after(events, COMMIT, t_save)
+        end, requeued, start = attempts[k]["end"], epoch(attempts[k + 1]["Submit"]), attempts[k + 1]["start"]
+        t_exited, _ = after(sub, EXITING, t_commit)
+        t_python, _ = after(sub, STARTING, start - 1)
+        t_built, _ = after(events, BUILT, start - 1)
+        t_resumed, _ = after(events, RESUMED, t_built)
+        received = None if sig.group(2) == "unknown" else float(sig.group(2))
+        hj = res["acct"].get(high) or [{}]
+        held = (hj[-1]["end"] - hj[-1]["start"]) if hj[-1].get("start") and hj[-1].get("end") else math.nan
+        first = spans[k + 1][0]
+        per.append(dict(
+            step=int(sig.group(1)), slurm_signal=(received or math.nan) - t_high,
+            to_save=t_save - (received or t_high), save=t_commit - t_save, requeue=start - end,
+            startup=first - start - (t_resumed - t_built), restore=t_resumed - t_built, lost=spans[k][2],
+            cost=first - spans[k][1],
+            # the splits
+            ended=end - t_commit, py_done=t_exited - end, teardown=requeued - t_exited, pending=start - requeued,
+            held=held, launch=t_python - start, init=t_built - t_python, first=first - t_resumed))
+    wall_start, wall_end = attempts[0]["start"], attempts[-1]["end"]
+    first, last = min(spans), max(spans)
+    t_last_exit, _ = after(sub, EXITING, spans[last][1])
+    return dict(per=per, wall=wall_end - wall_start, useful=sum(b - a for a, b, _ in spans.values()),
+                lost=sum(lost for _, _, lost in spans.values()), requeue=sum(p["requeue"] for p in per if p),
+                pending=sum(p["pending"] for p in per if p), initial=spans[first][0] - wall_start,
+                final=wall_end - spans[last][1], final_py=(t_last_exit or math.nan) - spans[last][1],
+                steps=len({r["step"] for r in rows}), attempts=len(attempts))
+
+
+def table(title: str, cols: tuple, per: list, note: str) -> None:
+    names, keys = [c for c, _ in cols], [k for _, k in cols]
+    print(f"\n{title}\n{'#':>2} {'step':>5} " + " ".join(f"{c:>12}" for c in names) + "   (seconds)")
+    for k, p in enumerate(per):
+        if p is None:
+            print(f"{k + 1:>2}   (the run ended before it took effect)")
+        else:
+            print(f"{k + 1:>2} {p['step']:>5} " + " ".join(f"{p[key]:>12.2f}" for key in keys))
+    done = [p for p in per if p]
+    if len(done) > 1:
+        print(f"{'mean':>8} " + " ".join(f"{sum(p[key] for p in done) / len(done):>12.2f}" for key in keys))
+    print(note)
+
+
+def report(res: dict, a: dict, args) -> None:
+    info = res["info"]
+    print(f"\ngoodput: job {res['job']}, 2 nodes x 2 tasks, tiny model, DDP (gloo), "
+          f"fault.step_delay_s={args.step_delay}, {args.steps} steps; a high-partition job on the run's nodes "
+          f"(sleep {args.hold:g}) every {args.period:g} s, {len(res['highs'])} sent")
+    print(f"run: status {info.get('status')}, segments {info.get('segments')}, preemptions "
+          f"{info.get('preemptions', 0)}, timeouts {info.get('timeouts', 0)}, sacct attempts {a['attempts']}, "
+          f"{a['steps']} distinct steps")
+    table("per preemption", (("signal->save", "to_save"), ("save", "save"), ("requeue wait", "requeue"),
+                             ("start-up", "startup"), ("restore", "restore"), ("lost", "lost"), ("cost", "cost")),
+          a["per"], "  signal->save: received -> the ranks agree at a step boundary (those steps are kept); "
+          "requeue wait: Slurm's End of the attempt -> Start of the next;\n  cost: end of the last kept step -> "
+          "start of the first step after (save + requeue wait + start-up + restore + commit->End, +-1 s of sacct)")
+    table("split", (("slurm signal", "slurm_signal"), ("commit->End", "ended"), ("End->py done", "py_done"),
+                    ("py->requeued", "teardown"), ("pending", "pending"), ("(held)", "held"),
+                    ("launch", "launch"), ("init+build", "init"), ("1st step", "first")),
+          a["per"], "  slurm signal: high job submitted -> rank 0's handler; commit->End: scontrol requeue (sacct End);"
+          "\n  End->py done: submitit's 'Exiting' line of task 0; py->requeued: interpreter exit, or KillWait's "
+          "SIGKILL, until Slurm requeues (the next attempt's Submit);\n  pending: Submit -> Start ((held): the high "
+          "job's run); launch: Start -> submitit's 'Starting' line (srun, Python);\n  init+build: -> 'rank 0 coords' "
+          "(imports, rendezvous, model build); 1st step: 'resumed' -> the first step's start")
+    done = [p for p in a["per"] if p]
+    wall, useful, requeue = a["wall"], a["useful"], a["requeue"]
+    cost = sum(p["cost"] for p in done)
+    other = wall - useful - cost - a["initial"] - a["final"]
+    print(f"\nwall time      {wall:8.1f} s   Slurm Start of the first attempt -> End of the last")
+    print(f"useful time    {useful:8.1f} s   steps whose results were kept (trained again: {a['lost']:.1f} s)")
+    print(f"preemptions    {cost:8.1f} s   their cost, of which Slurm's requeue wait {requeue:.1f} s "
+          f"(pending {a['pending']:.1f} s)")
+    print(f"first start-up {a['initial']:8.1f} s   Start -> first step; last exit {a['final']:.1f} s (Python done "
+          f"+{a['final_py']:.1f} s); any run pays them; unaccounted {other:.1f} s")
+    print(f"goodput                       {useful / wall:6.3f}   useful / wall (goal >= 0.9 at one preemption "
+          f"per 180 s)")
+    print(f"goodput without Slurm's wait  {useful / (wall - requeue):6.3f}   useful / (wall - requeue wait)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--period", type=float, default=180, help="seconds between preemptions")
+    parser.add_argument("--preemptions", type=int, default=3, help="how many, then the run finishes")
+    parser.add_argument("--step-delay", type=float, default=0.5, help="fault.step_delay_s: seconds per step")
+    parser.add_argument("--step-overhead", type=float, default=0.08,
+                        help="seconds a step takes beyond the delay, to size --steps")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="train.steps (default: enough for (preemptions + 1) x period of training)")
+    parser.add_argument("--hold", type=float, default=2, help="seconds the high job holds the nodes")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for the run (default: ample)")
+    parser.add_argument("--keep", action="store_true", help="keep the run directory (printed)")
+    args = parser.parse_args()
+    if not CONF.is_file():
+        sys.exit(f"no local Slurm cluster ({CONF} missing): run `make cluster-up` first")
+    if args.steps is None:
+        args.steps = math.ceil((args.preemptions + 1) * args.period / (args.step_delay + args.step_overhead))
+    if args.timeout is None:
+        args.timeout = (args.preemptions + 1) * args.period * 3 + 600
+    env = dict(os.environ, SLURM_CONF=str(CONF), PYTHONPATH=str(REPO))
+    work = Path(tempfile.mkdtemp(prefix="bench-goodput-", dir=os.environ.get("BENCH_DIR")))
+    try:
+        res = drive(args, env, work)
+        report(res, analyse(res), args)
+    finally:
+        if not args.keep:
+            subprocess.run(["rm", "-rf", str(work)])
+        else:
+            print(f"kept: {work}")
+
+
+if __name__ == "__main__":
+    main()
