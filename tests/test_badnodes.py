@@ -224,3 +224,22 @@ def test_a_crash_naming_this_nodes_gpu_blames_this_node(tmp_path, monkeypatch):
     record_failure(RuntimeError("Connection closed by peer"), tmp_path, 0, 4, log, 0)
     assert read_run_json(tmp_path)["failure"] == "hardware_fault"
     assert outranks("hang", "node_failure") and not outranks("rank_failure", "hardware_fault")
+
+
+def test_status_shows_each_nodes_facts_and_the_exclusions(tmp_path):
+    from launcher.track.status import node_lines
+
+    (tmp_path / "nodes").mkdir()
+    (tmp_path / "nodes" / "node1.json").write_text(json.dumps(
+        {"host": "node1", "torch": "2.13.0+cpu", "cuda": None, "cudnn": None, "nccl": None, "driver": None,
+         "gpu_count": 0, "gpu_model": None, "cpu_count": 4}))
+    (tmp_path / "nodes" / "gpu7.json").write_text(json.dumps(
+        {"host": "gpu7", "torch": "2.6.0", "cuda": "12.4", "cudnn": 90100, "nccl": "2.21.5", "driver": "550.54.15",
+         "gpu_count": 8, "gpu_model": "NVIDIA H100 80GB HBM3", "cpu_count": 192}))
+    update_run_json(tmp_path, node_exclusions=[{"nodes": ["node2"], "reason": "node failure", "job_id": "7",
+                                                "segment": 1}])
+    assert node_lines(tmp_path) == [
+        "node gpu7: torch 2.6.0, CUDA 12.4, cuDNN 90100, NCCL 2.21.5, driver 550.54.15, 8 x NVIDIA H100 80GB HBM3, "
+        "192 CPUs",
+        "node node1: torch 2.13.0+cpu, CUDA -, cuDNN -, NCCL -, driver -, no GPU, 4 CPUs",
+        "excluded node2 after node failure (job 7, segment 1): requeued without it"]

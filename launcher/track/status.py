@@ -259,6 +259,28 @@ def counts(sweep: Sweep) -> str:
     return f"{len(sweep.points)} points: " + ", ".join(f"{n} {k}" for k, n in sorted(tally.items()))
 
 
+def node_lines(run_dir: Path) -> List[str]:
+    """One line per node the run ran on (``RUN_DIR/nodes/<host>.json``, written by each
+    node's local rank 0: train/harness/node_facts.py), and the nodes excluded so far."""
+    import json
+
+    lines = []
+    for path in sorted((run_dir / "nodes").glob("*.json"))[:64]:
+        try:
+            f = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        gpus = f"{f.get('gpu_count') or 0} x {f['gpu_model']}" if f.get("gpu_model") else "no GPU"
+        lines.append(f"node {f.get('host', path.stem)}: torch {f.get('torch')}, CUDA {f.get('cuda') or '-'}, "
+                     f"cuDNN {f.get('cudnn') or '-'}, NCCL {f.get('nccl') or '-'}, driver {f.get('driver') or '-'}, "
+                     f"{gpus}, {f.get('cpu_count')} CPUs")
+    info = read_run_json(run_dir)
+    for e in info.get("node_exclusions") or []:
+        lines.append(f"excluded {', '.join(e.get('nodes', []))} after {e.get('reason')} (job {e.get('job_id')}, "
+                     f"segment {e.get('segment')}): requeued without it")
+    return lines
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.status", description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", nargs="?", help="sweep directory (default: newest under runs/multirun), "
@@ -267,7 +289,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from launcher.track import single
 
     if args.sweep_dir and single.is_single_run(Path(args.sweep_dir)):
-        return single.status_main(Path(args.sweep_dir))
+        code = single.status_main(Path(args.sweep_dir))
+        print("\n".join(node_lines(Path(args.sweep_dir))))
+        return code
     try:
         sweep = collect(resolve_sweep_dir(args.sweep_dir))
     except UsageError as exc:
