@@ -199,7 +199,7 @@ def saved_run(tmp_path: Path, **sections) -> Path:
     (["train.nope=1"], "unknown field 'train.nope'"),
     (["cluster.nodes=1,2"], "one value per field"),
     (["strategy=nope"], "unknown strategy 'nope'"),
-])
+], ids=["model", "data", "seq_len", "engine", "tp", "batch", "field", "sweep", "profile"])
 def test_a_change_the_checkpoint_cannot_take_is_refused(tmp_path, capsys, overrides, words):
     from launcher.track.resume import main
 

@@ -1,0 +1,62 @@
+"""Resume on another shape on the real local cluster: FSDP on 2 nodes x 2 ranks is
+preempted by the high partition (on its own nodes), saves, and is not requeued
+(``cluster.max_requeues=0``); ``python -m launcher.resume RUN_DIR cluster.nodes=1``
+continues it on 1 node x 2 ranks (the global batch kept: twice the accumulation) to
+completion. Every step is logged once and every sample of the global stream was seen
+exactly once across the two shapes (the ranks' sample traces)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, submit_run, wait_until
+from spec.rundir import read_metrics, read_run_json
+from test_reshard import assert_every_sample_once
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+STEPS = 16
+ARGS = ["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=2", "+strategy=fsdp", f"train.steps={STEPS}",
+        "train.seq_len=32", "data.num_tokens=50000", "fault.trace_samples=true", "fault.step_delay_s=0.4",
+        "cluster.max_requeues=0"]
+
+
+def job_gone(job: str, env: dict) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout
+    return not out.strip()
+
+
+def test_preempted_on_2_nodes_resumed_on_1(tmp_path, slurm_cluster):
+    env = slurm_cluster
+    job, run_dir = submit_run(ARGS, tmp_path, env)
+    wait_until(lambda: len(read_metrics(run_dir)) >= 4, 240, "4 steps on 2 nodes")
+    hosts = read_run_json(run_dir)["hostnames"]
+    assert len(hosts) == 2
+    subprocess.run(["sbatch", "--parsable", "-p", "high", "-w", ",".join(hosts), "-N", "2", "--ntasks-per-node=4",
+                    "--output=/dev/null", "--wrap", "sleep 2"], env=env, check=True, capture_output=True, text=True)
+    status = wait_until(lambda: (lambda s: s if s in ("stopped", "completed", "failed") else None)(
+        read_run_json(run_dir).get("status")), 240, "the preempted run to stop")
+    assert status == "stopped", read_run_json(run_dir)
+    subprocess.run(["scancel", job], env=env)  # should Slurm requeue the preempted job itself
+    wait_until(lambda: job_gone(job, env), 120, "the preempted job to leave the queue")
+    saved = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert 4 <= saved < STEPS
+
+    proc = subprocess.run([sys.executable, "-m", "launcher.resume", str(run_dir), "cluster.nodes=1", "--wait"],
+                          cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    info = read_run_json(run_dir)
+    assert info["status"] == "completed" and info["nodes"] == 1 and info["world_size"] == 2, info
+    (change,) = info["reshaped"]
+    assert (change["from"]["nodes"], change["to"]["nodes"], change["at_step"]) == (2, 1, saved)
+    assert (change["from"]["grad_accum"], change["to"]["grad_accum"]) == (1, 2)
+    assert change["from"]["global_batch"] == change["to"]["global_batch"] == 32
+    rows = read_metrics(run_dir)
+    assert sorted(r["step"] for r in rows if r["world_size"] == 4) == list(range(1, saved + 1))
+    assert sorted(r["step"] for r in rows if r["world_size"] == 2) == list(range(saved + 1, STEPS + 1))
+    assert "resharded: saved by fsdp on 2 x 2 = 4 ranks" in (run_dir / "logs" / "rank0.log").read_text()
+    assert_every_sample_once(run_dir, STEPS)
+    assert os.path.exists(run_dir / "logs" / "samples_seg0_rank3.txt")  # the 4-rank segment traced too
