@@ -248,13 +248,14 @@ class Transformer(nn.Module):
                 local = t.to_local()
                 for first, piece in initial_chunks(self.cfg, clean_name(name), tuple(t.shape), seed, rows):
                     local[first - rows[0]:first - rows[0] + piece.shape[0]].copy_(piece)
+            elif not isinstance(t, DTensor):  # whole (DDP, ZeRO-1/2, a pipeline stage): piece by piece
+                for first, piece in initial_chunks(self.cfg, clean_name(name), tuple(t.shape), seed, (0, t.shape[0])):
+                    t[first:first + piece.shape[0]].copy_(piece)
             else:
+                # TP (and 2-D): every rank draws the full tensor and keeps its own piece
+                # (no communication).
                 full = initial_tensor(self.cfg, clean_name(name), tuple(t.shape), seed).to(t.dtype)
-                if isinstance(t, DTensor):
-                    # TP (and 2-D): every rank draws the full tensor and keeps its own
-                    # piece (no communication).
-                    full = distribute_tensor(full.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
-                t.copy_(full)
+                t.copy_(distribute_tensor(full.to(t.device), t.device_mesh, t.placements, src_data_rank=None))
             device = device or t.device
         self.init_buffers(device)
 
