@@ -179,14 +179,16 @@ def rank_main(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
     shutdown()
 
 
-def measure(cfg, world: int) -> list:
+def measure(cfg, world: int, target=None) -> list:
+    """Run ``target(rank, world, port, cfg, out_dir)`` (default :func:`rank_main`) on
+    ``world`` spawned gloo ranks; each writes ``out_dir/<rank>.json``: the list of them."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(rank_main, args=(world, port, cfg, out), nprocs=world, start_method="spawn")
+        mp.start_processes(target or rank_main, args=(world, port, cfg, out), nprocs=world, start_method="spawn")
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
 
 
