@@ -53,7 +53,8 @@ DMESG = """\
      " failed or device error.\nLast error:\nsocket recv: Connection closed by remote peer node2<4567>",
      "nccl_remote", False),  # a survivor's view of a dead peer: not this node's fault
     ("NCCL WARN Connection closed by remote peer\n[1.0] NVRM: Xid (PCI:0000:18:00): 48, DBE", "gpu_xid", True),
-])
+], ids=["cuda_ecc", "kernel_xid", "nccl_system_error", "nccl_ib_completion", "nccl_remote_exited",
+        "survivor_of_a_dead_peer", "xid_beats_a_remote_peer"])
 def test_hardware_fault_names_the_fault_and_whose_it_is(text, kind, local):
     fault = health.hardware_fault(text)
     assert fault is not None and (fault["kind"], fault["local"]) == (kind, local)
@@ -65,7 +66,7 @@ def test_hardware_fault_names_the_fault_and_whose_it_is(text, kind, local):
     "ValueError: fault.raise_at_step=3 reached",
     "CUDA out of memory. Tried to allocate 2.00 GiB",
     "",
-])
+], ids=["gloo_peer_closed", "raise_at_step", "cuda_oom", "empty"])
 def test_no_hardware_fault_in_ordinary_errors(text):
     assert health.hardware_fault(text) is None
 
