@@ -182,7 +182,9 @@ def test_one_rank_requeues_without_the_dead_node(tmp_path, monkeypatch):
 
     calls = fake_slurm(monkeypatch)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
-    run_dir = run_dir_with(tmp_path, failure="node_failure", suspect_nodes=["node2"], error="RuntimeError: peer")
+    run_dir = run_dir_with(tmp_path, failure="node_failure", suspect_nodes=["node2.cluster"], error="RuntimeError: peer")
+    (run_dir / "nodes").mkdir()  # the ranks saw a qualified hostname; Slurm calls the node node2
+    (run_dir / "nodes" / "node2.cluster.json").write_text(json.dumps({"slurm_node": "node2"}))
     said = []
     assert badnodes.requeue_without_suspects(run_dir, said.append, "7") == badnodes.REQUEUED
     assert badnodes.requeue_without_suspects(run_dir, said.append, "7") == badnodes.ELSEWHERE  # claimed once

@@ -37,6 +37,7 @@ from slurm import query
 from slurm.env import expand_hostlist
 from spec.config import to_run_config, to_yaml
 from spec.rundir import CONFIG, Status, read_run_json, update_run_json
+from train.harness.node_facts import slurm_names
 
 # run.json "failure" values whose suspect_nodes the next allocation avoids (launcher.resume
 # uses the same classes).
@@ -117,6 +118,7 @@ def requeue_without_suspects(run_dir: Path, log: Callable[[str], None], job: Opt
         return None
     cfg = to_run_config(Path(run_dir) / CONFIG)
     info = read_run_json(run_dir)
+    info["suspect_nodes"] = slurm_names(run_dir, info.get("suspect_nodes") or [])  # Slurm's names, not hostnames
     plan = plan_exclusion(info, cfg.cluster.exclude, cfg.cluster.max_requeues)
     if plan is None or cfg.cluster.backend != "slurm":
         return None

@@ -59,12 +59,26 @@ def node_facts(gpus: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
                              "python": platform.python_version(), "torch": torch.__version__,
                              "platform": platform.platform(), "time": time.time(),
                              "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                             "slurm_node": os.environ.get("SLURMD_NODENAME"),  # may differ from hostname
                              "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0),
                              "executable": sys.executable}
     facts.update(_cuda_facts(torch))
     smi = _smi_facts(gpus)
     facts.update({k: v for k, v in smi.items() if v is not None or k not in facts})
     return facts
+
+
+def slurm_names(run_dir: Path, hosts: List[str]) -> List[str]:
+    """Slurm's names of ``hosts`` (hostnames as the ranks saw them, which may be
+    fully qualified) from the nodes' facts; a host without facts keeps its name."""
+    names = []
+    for host in hosts:
+        try:
+            name = json.loads((Path(run_dir) / NODES_DIR / f"{host}.json").read_text()).get("slurm_node")
+        except (OSError, ValueError):
+            name = None
+        names.append(name or host)
+    return sorted(set(names))
 
 
 def write_node_facts(run_dir: Path, host: str) -> Path:
