@@ -232,3 +232,24 @@ def test_the_global_batch_is_kept_when_dp_changes(tmp_path, gpus, micro, accum):
     assert new.train.micro_batch_size * new.train.grad_accum * gpus == GLOBAL and notes
     given, _ = reshape(cfg, ["cluster.gpus_per_node=2", "train.grad_accum=1"])  # asked for: a new global batch
     assert (given.train.micro_batch_size, given.train.grad_accum) == (8, 1)
+
+
+def test_the_new_shape_goes_through_the_memory_planner(tmp_path, capsys):
+    """Saved on 8 A100s (FSDP, Llama 3 8B): on 1 GPU it is predicted not to fit, refused;
+    on 2 nodes (a new global batch, asked for) it passes, and a dry run changes nothing."""
+    from helpers import compose_run
+    from launcher.track.resume import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = compose_run(["+cluster=a100x8", "+model=llama3_8b", "+strategy=fsdp", "train.seq_len=4096",
+                       "train.micro_batch_size=1"])
+    (run / CONFIG).write_text(to_yaml(cfg))
+    before = (run / CONFIG).read_text()
+    assert main([str(run), "cluster.gpus_per_node=1"]) == 2
+    err = capsys.readouterr().err
+    assert "is predicted to need" in err and err.count("\n") == 1, err
+    assert main([str(run), "cluster.nodes=2", "train.grad_accum=1", "launcher.dry_run=true"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: nothing submitted" in out and "--nodes=2" in out, out
+    assert (run / CONFIG).read_text() == before and not (run / "run.json").exists()

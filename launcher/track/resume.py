@@ -10,12 +10,13 @@ profile) apply to the saved config: ``cluster.nodes=1``, ``cluster.gpus_per_node
 shape"). What the checkpoint cannot continue is refused with one line (exit 2, nothing
 written or submitted): the model, the data stream (``data.*``, ``train.seq_len``), a
 switch between the torch engine and DeepSpeed, a change of the tensor or pipeline degree,
-of DeepSpeed's stage 0 or offload. When the data-parallel degree changes and neither
+of DeepSpeed's offload, and a reshape to, from or of ZeRO-3 or stage 0. When the data-parallel degree changes and neither
 ``train.micro_batch_size`` nor ``train.grad_accum`` is given, the global batch is kept
 (the new degree must divide it): the per-rank share is split into micro-batch x
 accumulation anew. The new shape goes through the launcher's checks (layout rules, the
 memory planner) before anything is written; run.json's ``reshaped`` lists each change
-(``from``, ``to``, ``at_step``).
+(``from``, ``to``, ``at_step``). ``launcher.dry_run=true`` prints the new shape's job and
+rank map and changes nothing.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 from launcher.checks import already_done, check
-from launcher.launch import Point, start
+from launcher.launch import Point, dry_run, start
 from launcher.overrides import CONF_DIR, check_key, group_options
 from launcher.track.summary import summary_lines
 from slurm.env import expand_hostlist
@@ -222,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for line in notes:
         print(line)
+    point = Point(new, layout, run_dir, slurm_conf, label=f"resume {run_dir.name}", overrides=[], multirun=False)
+    if new.launcher.dry_run:  # the new shape's script and rank map; the run directory keeps its config
+        return dry_run(point)
     if args.overrides:
         record_reshape(run_dir, cfg, new, args.overrides)
-    point = Point(new, layout, run_dir, slurm_conf, label=f"resume {run_dir.name}", overrides=[], multirun=False)
     return start(None, point, wait=args.wait)
