@@ -246,3 +246,23 @@ def test_status_shows_each_nodes_facts_and_the_exclusions(tmp_path):
         "192 CPUs",
         "node node1: torch 2.13.0+cpu, CUDA -, cuDNN -, NCCL -, driver -, no GPU, 4 CPUs",
         "excluded node2 after node failure (job 7, segment 1): requeued without it"]
+
+
+def test_a_fault_is_looked_for_in_this_segments_stderr_only(tmp_path, monkeypatch):
+    from train.harness import outcome
+
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "90_1_log.err").write_text("NCCL error: unhandled system error\n")  # another job's
+    err = tmp_path / "slurm" / "9_1_log.err"
+    err.write_text("[1.0] NVRM: Xid (PCI:0000:18:00): 79, GPU has fallen off the bus\n")  # an earlier segment's
+    outcome.mark_stderr(tmp_path)
+    assert outcome.hardware_fields("ValueError: x", tmp_path, {}) == {}
+    with open(err, "a") as f:
+        f.write("node1:1:2 [1] NCCL WARN NET/IB : Got completion from peer 10.0.0.4<1> with error 12, opcode 0\n")
+    fields = outcome.hardware_fields("RuntimeError: NCCL communicator was aborted", tmp_path, {})
+    assert fields["failure"] == "hardware_fault" and fields["fault"]["kind"] == "nccl_system"
+    assert fields["suspect_nodes"] == [socket.gethostname()]
+    assert outcome.hardware_fields("ValueError: x", tmp_path, {"dead_ranks": [3]}) == {}  # a peer died: its echo

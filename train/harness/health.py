@@ -16,7 +16,6 @@ Two pure parts, tested on captured text, and the thin calls that feed them:
 """
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
@@ -178,12 +177,18 @@ def gpu_health(smi: str = "nvidia-smi") -> Dict[str, Any]:
 # its size when the harness started: a fault is looked for in this segment's lines only
 # (the file is appended to across requeues).
 def stderr_path(run_dir: str) -> Optional[str]:
-    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    task = os.environ.get("SLURM_PROCID")
-    if not job or task is None:
+    env = os.environ
+    task = env.get("SLURM_PROCID")
+    if task is None:
         return None
-    hits = sorted(glob.glob(os.path.join(run_dir, "slurm", f"{job}*_{task}_log.err")))
-    return hits[0] if hits else None
+    names = [f"{env.get('SLURM_JOB_ID')}_{task}_log.err"]  # submitit's %j_%t
+    if env.get("SLURM_ARRAY_JOB_ID"):  # an array element's: %A_%a_%t
+        names.insert(0, f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID')}_{task}_log.err")
+    for name in names:
+        path = os.path.join(run_dir, "slurm", name)
+        if os.path.exists(path):
+            return path
+    return None
 
 
 def log_offset(path: Optional[str]) -> int:
