@@ -272,6 +272,7 @@ class FaultConfig:
     # Every rank appends the window ids of each step's data to
     # logs/samples_seg{S}_rank{R}.txt ("step id id ..."): tests count the samples a run
     # saw across segments (a step replayed after a crash: the later segment's counts).
+    # Under tensor or pipeline parallel only the ranks of tp and pp coordinate 0 write.
     trace_samples: bool = False
 
 

@@ -55,7 +55,8 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
     loader = ShardedLoader(path, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.micro_batch_size,
                            cfg.train.grad_accum, layout.dp_rank(ctx.rank), layout.dp, seed=cfg.data.seed,
                            dtype=file_dtype(cfg.data, cfg.model.vocab_size))
-    if cfg.fault.trace_samples:
+    coords = layout.coords(ctx.rank)
+    if cfg.fault.trace_samples and coords["tp"] == coords["pp"] == 0:  # one rank per data-parallel share
         loader.trace = task.run_dir / "logs" / f"samples_seg{task.segment}_rank{ctx.rank}.txt"
     engine, restored = _build_and_restore(task, ckpt)
     if cfg.checkpoint.async_save:

@@ -9,8 +9,8 @@ profile) apply to the saved config: ``cluster.nodes=1``, ``cluster.gpus_per_node
 ``strategy=fsdp`` resume the checkpoint on another shape (README: "Resume on another
 shape"). What the checkpoint cannot continue is refused with one line (exit 2, nothing
 written or submitted): the model, the data stream (``data.*``, ``train.seq_len``), a
-switch between the torch engine and DeepSpeed, a change of the tensor or pipeline degree,
-of DeepSpeed's offload, and a reshape to, from or of ZeRO-3 or stage 0. When the data-parallel degree changes and neither
+switch between the torch engine and DeepSpeed, a change of the pipeline degree, of
+DeepSpeed's offload, and a reshape to, from or of ZeRO-3 or stage 0. When the data-parallel degree changes and neither
 ``train.micro_batch_size`` nor ``train.grad_accum`` is given, the global batch is kept
 (the new degree must divide it): the per-rank share is split into micro-batch x
 accumulation anew. The new shape goes through the launcher's checks (layout rules, the
@@ -138,11 +138,10 @@ def refuse_unresumable(old: RunConfig, new: RunConfig) -> None:
             raise ConfigError(f"strategy.{key}={getattr(t, key)}: not supported at resume (saved "
                               f"{getattr(s, key)}); keep it")
     lo, ln = build_layout(old), build_layout(new)
-    for key, name in (("tp", "tensor_parallel"), ("pp", "pipeline_parallel")):
-        if getattr(lo, key) != getattr(ln, key):
-            raise ConfigError(f"strategy.{name}={getattr(ln, key)} (strategy={t.name}): resuming at another "
-                              f"{name} degree is not supported (saved {getattr(lo, key)}); only the data-parallel "
-                              f"layout may change: keep {name}={getattr(lo, key)}")
+    if lo.pp != ln.pp:  # each stage's state dict holds its own layers: DCP cannot regroup them
+        raise ConfigError(f"strategy.pipeline_parallel={ln.pp} (strategy={t.name}): resuming at another pipeline "
+                          f"degree is not supported (saved {lo.pp}); keep pipeline_parallel={lo.pp} (the data-"
+                          "parallel and tensor-parallel layout may change)")
     if old.entrypoint and (run_shape(old, lo) != run_shape(new, ln)):
         raise ConfigError(f"entrypoint={old.entrypoint}: a user's code restores its own checkpoints; the launcher "
                           "reshapes only the built-in trainer's runs; resume it on its own shape")
