@@ -266,3 +266,14 @@ def test_a_fault_is_looked_for_in_this_segments_stderr_only(tmp_path, monkeypatc
     assert fields["failure"] == "hardware_fault" and fields["fault"]["kind"] == "nccl_system"
     assert fields["suspect_nodes"] == [socket.gethostname()]
     assert outcome.hardware_fields("ValueError: x", tmp_path, {"dead_ranks": [3]}) == {}  # a peer died: its echo
+
+
+def test_a_late_rank_does_not_undo_the_requeue(tmp_path, monkeypatch):
+    import logging
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    update_run_json(tmp_path, status="requeued", failure="node_failure", suspect_nodes=["node2"])
+    record_failure(RuntimeError("CUDA error: uncorrectable ECC error encountered"), tmp_path, 1, 4,
+                   logging.getLogger("test_badnodes"), 0)
+    assert read_run_json(tmp_path)["status"] == "requeued"

@@ -71,8 +71,9 @@ def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int
     fields.update(hardware_fields(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", run_dir, fields))
     if rank == 0 or "failure" in fields:  # rank 0 may be the one that died
         # A hang or a node's fault already recorded is the cause: a rank's error after it
-        # (its peers' broken connections) must not replace it.
-        update_run_json(run_dir, unless=lambda info: outranks(info.get("failure"), fields.get("failure")), **fields)
+        # (its peers' broken connections) must not replace it, nor undo a requeue for it.
+        update_run_json(run_dir, unless=lambda info: outranks(info.get("failure"), fields.get("failure")) or (
+            info.get("status") == Status.REQUEUED and info.get("failure") is not None), **fields)
     if job is None:
         return
     if requeue_without_suspects(run_dir, log.error, job) in (REQUEUED, ELSEWHERE):
