@@ -114,10 +114,10 @@ def requeue_without_suspects(run_dir: Path, log: Callable[[str], None], job: Opt
     """After a failure was recorded: requeue ``job`` without the blamed nodes if the
     failure names some and the policy allows. :data:`REQUEUED`, :data:`ELSEWHERE`, else
     why not (None: the failure names no node, or not in a Slurm job)."""
-    if job is None:
+    info = read_run_json(run_dir)
+    if job is None or info.get("failure") not in EXCLUDING_FAILURES:
         return None
     cfg = to_run_config(Path(run_dir) / CONFIG)
-    info = read_run_json(run_dir)
     info["suspect_nodes"] = slurm_names(run_dir, info.get("suspect_nodes") or [])  # Slurm's names, not hostnames
     plan = plan_exclusion(info, cfg.cluster.exclude, cfg.cluster.max_requeues)
     if plan is None or cfg.cluster.backend != "slurm":
