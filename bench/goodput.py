@@ -37,12 +37,12 @@ metrics.jsonl, sacct's Submit/Start/End of every attempt, 1 s resolution):
 - cost: end of the last kept step before -> start of the first step after.
 
 and split further: slurm signal (high job submitted, this script's clock -> rank 0's
-handler); commit->End (``scontrol requeue``: sacct's End); End->py done (submitit's
-"Exiting after" line); py->requeued (interpreter exit, or SIGKILL after KillWait, until
-Slurm requeues: the next attempt's Submit); pending (Submit -> Start; "held": the high
-job's own run); launch (Start -> submitit's "Starting with" line: srun, Python);
-init+build (-> "rank 0 coords": imports, rendezvous, model build); 1st step ("resumed"
--> the first step's start).
+handler); requeue call (commit -> rank 0's "requeue of job" line: ``scontrol requeue``,
+Slurm's End); ->py done (-> submitit's "Exiting after" line of task 0); py->requeued
+(interpreter exit, or SIGKILL after KillWait, until Slurm requeues: the next attempt's
+Submit); pending (Submit -> Start; "held": the high job's own run); launch (Start ->
+submitit's "Starting with" line: srun, Python); init+build (-> "rank 0 coords": imports,
+rendezvous, model build); 1st step ("resumed" -> the first step's start).
 
 The first attempt's start-up and the last one's exit are paid by any run: shown apart.
 
@@ -74,6 +74,7 @@ SIGNAL = re.compile(r"^signal agreed at step (\d+): received by rank 0 at ([0-9.
 COMMIT = re.compile(r"^checkpoint step (\d+) committed in ([0-9.]+) s")
 BUILT = re.compile(r"^rank 0 coords")
 RESUMED = re.compile(r"^resumed from step (\d+) \(segment (\d+)\)")
+REQUEUE = re.compile(r"checkpoint committed; requeue of job")
 SUBMITIT = re.compile(r"^submitit \w+ \((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\) - (.*)$")
 STARTING = re.compile(r"^Starting with JobEnvironment")
 EXITING = re.compile(r"^Exiting after")
@@ -174,8 +175,9 @@ def analyse(res: dict) -> dict:
             continue
         t_save, sig = after(events, SIGNAL, t_high)
         t_commit, _ = after(events, COMMIT, t_save)
+        t_requeue, _ = after(events, REQUEUE, t_commit)
         end, requeued, start = attempts[k]["end"], epoch(attempts[k + 1]["Submit"]), attempts[k + 1]["start"]
-        t_exited, _ = after(sub, EXITING, t_commit)
+        t_exited, _ = after(sub, EXITING, t_requeue)
         t_python, _ = after(sub, STARTING, start - 1)
         t_built, _ = after(events, BUILT, start - 1)
         t_resumed, _ = after(events, RESUMED, t_built)
@@ -189,7 +191,7 @@ def analyse(res: dict) -> dict:
             startup=first - start - (t_resumed - t_built), restore=t_resumed - t_built, lost=spans[k][2],
             cost=first - spans[k][1],
             # the splits
-            ended=end - t_commit, py_done=t_exited - end, teardown=requeued - t_exited, pending=start - requeued,
+            requeue_call=t_requeue - t_commit, py_done=t_exited - t_requeue, teardown=requeued - t_exited, pending=start - requeued,
             held=held, launch=t_python - start, init=t_built - t_python, first=first - t_resumed))
     wall_start, wall_end = attempts[0]["start"], attempts[-1]["end"]
     first, last = min(spans), max(spans)
@@ -227,25 +229,27 @@ def report(res: dict, a: dict, args) -> None:
                              ("start-up", "startup"), ("restore", "restore"), ("lost", "lost"), ("cost", "cost")),
           a["per"], "  signal->save: received -> the ranks agree at a step boundary (those steps are kept); "
           "requeue wait: Slurm's End of the attempt -> Start of the next;\n  cost: end of the last kept step -> "
-          "start of the first step after (save + requeue wait + start-up + restore + commit->End, +-1 s of sacct)")
-    table("split", (("slurm signal", "slurm_signal"), ("commit->End", "ended"), ("End->py done", "py_done"),
+          "start of the first step after (save + requeue call + requeue wait + start-up + restore, +-1 s of sacct)")
+    table("split", (("slurm signal", "slurm_signal"), ("requeue call", "requeue_call"), ("->py done", "py_done"),
                     ("py->requeued", "teardown"), ("pending", "pending"), ("(held)", "held"),
                     ("launch", "launch"), ("init+build", "init"), ("1st step", "first")),
-          a["per"], "  slurm signal: high job submitted -> rank 0's handler; commit->End: scontrol requeue (sacct End);"
-          "\n  End->py done: submitit's 'Exiting' line of task 0; py->requeued: interpreter exit, or KillWait's "
+          a["per"], "  slurm signal: high job submitted -> rank 0's handler; requeue call: commit -> rank 0's 'requeue "
+          "of job' line (scontrol requeue: Slurm's End);\n  ->py done: submitit's 'Exiting' line of task 0; "
+          "py->requeued: interpreter exit, or KillWait's "
           "SIGKILL, until Slurm requeues (the next attempt's Submit);\n  pending: Submit -> Start ((held): the high "
           "job's run); launch: Start -> submitit's 'Starting' line (srun, Python);\n  init+build: -> 'rank 0 coords' "
           "(imports, rendezvous, model build); 1st step: 'resumed' -> the first step's start")
     done = [p for p in a["per"] if p]
     wall, useful, requeue = a["wall"], a["useful"], a["requeue"]
     cost = sum(p["cost"] for p in done)
-    other = wall - useful - cost - a["initial"] - a["final"]
     print(f"\nwall time      {wall:8.1f} s   Slurm Start of the first attempt -> End of the last")
     print(f"useful time    {useful:8.1f} s   steps whose results were kept (trained again: {a['lost']:.1f} s)")
     print(f"preemptions    {cost:8.1f} s   their cost, of which Slurm's requeue wait {requeue:.1f} s "
           f"(pending {a['pending']:.1f} s)")
     print(f"first start-up {a['initial']:8.1f} s   Start -> first step; last exit {a['final']:.1f} s (Python done "
-          f"+{a['final_py']:.1f} s); any run pays them; unaccounted {other:.1f} s")
+          f"+{a['final_py']:.1f} s); any run pays them")
+    print(f"load average (1 min) {args.load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
+          f"{os.cpu_count()} CPUs")
     print(f"goodput                       {useful / wall:6.3f}   useful / wall (goal >= 0.9 at one preemption "
           f"per 180 s)")
     print(f"goodput without Slurm's wait  {useful / (wall - requeue):6.3f}   useful / (wall - requeue wait)")
@@ -271,6 +275,7 @@ def main() -> None:
     if args.timeout is None:
         args.timeout = (args.preemptions + 1) * args.period * 3 + 600
     env = dict(os.environ, SLURM_CONF=str(CONF), PYTHONPATH=str(REPO))
+    args.load = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-", dir=os.environ.get("BENCH_DIR")))
     try:
         res = drive(args, env, work)
