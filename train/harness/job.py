@@ -21,7 +21,30 @@ class TrainJob:
         flag = PreemptionFlag().install()
         from train.main import run
 
-        return run(self.run_dir, flag)
+        code = run(self.run_dir, flag)
+        if flag.is_set:
+            exit_now(code)
+        return code
+
+
+def exit_now(code: int) -> None:
+    """End an interrupted task at once. Its work is done (checkpoint committed, run.json
+    written, the requeue asked, trackers closed, the process group gone), and Slurm ends
+    the step as it requeues: an interpreter's teardown after torch took 3-4 s on this
+    machine, outliving Slurm's SIGTERM until KillWait's SIGKILL, inside the requeue's wait
+    (bench/goodput.py). Logs are flushed first; submitit's result file is not written (a
+    requeued job's is never read)."""
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def main(run_dir: str) -> int:

@@ -194,6 +194,10 @@ class Watchdog:
         if fd is not None:
             with os.fdopen(fd, "w") as f:
                 json.dump(report, f, indent=1)
-            if self.on_hang is not None:
-                self.on_hang(report)
+        # Every rank that saw the hang records it (the same fields), not only the one that
+        # wrote hang.json: a rank exiting here ends its peers (the local launcher's ranks
+        # die with rank 0), and the writer might be gone before it recorded (a loaded
+        # suite run saw run.json without failure=hang).
+        if self.on_hang is not None:
+            self.on_hang(report)
         os._exit(HANG_EXIT)
