@@ -178,6 +178,8 @@ def analyse(res: dict) -> dict:
         t_requeue, _ = after(events, REQUEUE, t_commit)
         end, requeued, start = attempts[k]["end"], epoch(attempts[k + 1]["Submit"]), attempts[k + 1]["start"]
         t_exited, _ = after(sub, EXITING, t_requeue)
+        if t_exited is None or t_exited > requeued:  # none in this attempt: the task ended with
+            t_exited = math.nan                     # os._exit after its requeue (train/harness/job.py)
         t_python, _ = after(sub, STARTING, start - 1)
         t_built, _ = after(events, BUILT, start - 1)
         t_resumed, _ = after(events, RESUMED, t_built)
@@ -191,7 +193,8 @@ def analyse(res: dict) -> dict:
             startup=first - start - (t_resumed - t_built), restore=t_resumed - t_built, lost=spans[k][2],
             cost=first - spans[k][1],
             # the splits
-            requeue_call=t_requeue - t_commit, py_done=t_exited - t_requeue, teardown=requeued - t_exited, pending=start - requeued,
+            requeue_call=t_requeue - t_commit, py_done=t_exited - t_requeue,
+            teardown=requeued - (t_requeue if math.isnan(t_exited) else t_exited), pending=start - requeued,
             held=held, launch=t_python - start, init=t_built - t_python, first=first - t_resumed))
     wall_start, wall_end = attempts[0]["start"], attempts[-1]["end"]
     first, last = min(spans), max(spans)
@@ -234,8 +237,8 @@ def report(res: dict, a: dict, args) -> None:
                     ("py->requeued", "teardown"), ("pending", "pending"), ("(held)", "held"),
                     ("launch", "launch"), ("init+build", "init"), ("1st step", "first")),
           a["per"], "  slurm signal: high job submitted -> rank 0's handler; requeue call: commit -> rank 0's 'requeue "
-          "of job' line (scontrol requeue: Slurm's End);\n  ->py done: submitit's 'Exiting' line of task 0; "
-          "py->requeued: interpreter exit, or KillWait's "
+          "of job' line (scontrol requeue: Slurm's End);\n  ->py done: submitit's 'Exiting' line of task 0 (nan: none, the task ended "
+          "with os._exit after its requeue); py->requeued: from that exit (else from the requeue call), or KillWait's "
           "SIGKILL, until Slurm requeues (the next attempt's Submit);\n  pending: Submit -> Start ((held): the high "
           "job's run); launch: Start -> submitit's 'Starting' line (srun, Python);\n  init+build: -> 'rank 0 coords' "
           "(imports, rendezvous, model build); 1st step: 'resumed' -> the first step's start")
