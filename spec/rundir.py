@@ -31,6 +31,10 @@ REGISTRY = "registry.jsonl"  # SWEEP_DIR/registry.jsonl: a sweep's points (launc
 TENSORBOARD = "tensorboard"  # tracking.tensorboard: event files
 WANDB = "wandb"  # tracking.wandb: W&B's own files (offline runs to sync)
 SAVE_NOW = "SAVE_NOW"  # touch RUN_DIR/SAVE_NOW: a checkpoint at the next step boundary
+# run.json "failure" values whose suspect_nodes the next allocation avoids: the automatic
+# requeue (train/harness/badnodes.py) and launcher.resume (launcher/track/resume.py).
+EXCLUDING_FAILURES = {"node_failure": "node failure", "preflight_outlier": "preflight outlier",
+                      "hardware_fault": "hardware fault"}
 
 
 class Status(str, Enum):

@@ -34,13 +34,10 @@ from launcher.track.summary import summary_lines
 from slurm.env import expand_hostlist
 from spec.config import GROUPS, ConfigError, RunConfig, to_run_config, to_yaml
 from spec.layout import build_layout
-from spec.rundir import CONFIG, latest_checkpoint, read_run_json, run_shape, shape_line, update_run_json
+from spec.rundir import (CONFIG, EXCLUDING_FAILURES, latest_checkpoint, read_run_json, run_shape, shape_line,
+                         update_run_json)
 
 
-# run.json "failure" values whose suspect_nodes the next allocation avoids (the same
-# classes as the automatic requeue's: train/harness/badnodes.py).
-EXCLUDING_FAILURES = {"node_failure": "node failure", "preflight_outlier": "preflight outlier",
-                      "hardware_fault": "hardware fault"}
 # What the checkpoint holds or the data position means: never changed by a resume.
 FIXED_SECTIONS = {"model": "model (its parameters are the checkpoint's)",
                   "data": "data stream (the position is a sample index in it)"}

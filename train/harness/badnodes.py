@@ -36,13 +36,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 from slurm import query
 from slurm.env import expand_hostlist
 from spec.config import to_run_config, to_yaml
-from spec.rundir import CONFIG, Status, read_run_json, update_run_json
+from spec.rundir import CONFIG, EXCLUDING_FAILURES, Status, read_run_json, update_run_json
 from train.harness.node_facts import slurm_names
 
-# run.json "failure" values whose suspect_nodes the next allocation avoids (launcher.resume
-# uses the same classes).
-EXCLUDING_FAILURES = {"node_failure": "node failure", "preflight_outlier": "preflight outlier",
-                      "hardware_fault": "hardware fault"}
 REQUEUED = "requeued"  # requeue_without_suspects: this rank requeued the job
 ELSEWHERE = "elsewhere"  # another rank of this segment took it on
 
