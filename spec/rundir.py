@@ -35,6 +35,10 @@ SAVE_NOW = "SAVE_NOW"  # touch RUN_DIR/SAVE_NOW: a checkpoint at the next step b
 # requeue (train/harness/badnodes.py) and launcher.resume (launcher/track/resume.py).
 EXCLUDING_FAILURES = {"node_failure": "node failure", "preflight_outlier": "preflight outlier",
                       "hardware_fault": "hardware fault"}
+# run.json fields that describe the last segment's failure: cleared when a segment starts
+# (what was excluded for it stays in excluded_nodes / node_exclusions).
+SEGMENT_FAILURE = {key: None for key in ("error", "failure", "suspect_nodes", "dead_ranks", "dead_hosts", "fault",
+                                         "slurmd_down")}
 
 
 class Status(str, Enum):

@@ -72,3 +72,18 @@ def test_an_interruption_without_slurm_is_counted(run_dir):
     assert run_task(run_dir, lambda task: "interrupted", flag) == 0
     info = read_run_json(run_dir)
     assert info["status"] == "interrupted" and info["preemptions"] == 1 and os.environ.get("SLURM_JOB_ID") is None
+
+
+def test_a_new_segment_clears_the_last_ones_failure_but_keeps_the_exclusions(run_dir):
+    update_run_json(run_dir, status="requeued", failure="node_failure", suspect_nodes=["node2"], dead_ranks=[2, 3],
+                    dead_hosts=["node2"], error="RuntimeError: gloo", excluded_nodes=["node2"], segments=1)
+    seen = []
+
+    def workload(task: Task) -> str:
+        seen.append(read_run_json(run_dir))
+        return "completed"
+
+    assert run_task(run_dir, workload, PreemptionFlag()) == 0
+    during = seen[0]
+    assert [during.get(k) for k in ("failure", "suspect_nodes", "dead_ranks", "dead_hosts", "error")] == [None] * 5
+    assert during["excluded_nodes"] == ["node2"] and during["segments"] == 2

@@ -13,8 +13,8 @@ count as preemptions) and enough usable nodes remain for the job:
    (a new job) avoids them too;
 2. run.json: ``status: requeued``, ``excluded_nodes`` (every node excluded so far),
    ``node_exclusions`` (one entry per automatic exclusion: nodes, reason, detail, job,
-   segment, time), ``fault_requeues``; ``failure``/``suspect_nodes`` stay until the next
-   segment starts;
+   segment, time), ``fault_requeues``; ``failure``, ``suspect_nodes`` and the rest of
+   ``spec.rundir.SEGMENT_FAILURE`` stay until the next segment starts;
 3. :func:`slurm.query.requeue_excluding`: hold-requeue, ``ExcNodeList``, release (Slurm
    changes ExcNodeList of pending jobs only). The job keeps its id and run directory and
    resumes from its last committed checkpoint. A dead node holds the requeued job in

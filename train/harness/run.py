@@ -25,7 +25,8 @@ from typing import Any, Callable, Mapping, Optional
 from spec.config import RunConfig, to_run_config
 from spec.validate import WATCHDOG_GRACE_S, validate
 from spec.layout import Layout, build_layout
-from spec.rundir import CONFIG, MetricsRow, Status, append_metrics, read_run_json, status_of, update_run_json
+from spec.rundir import (CONFIG, SEGMENT_FAILURE, MetricsRow, Status, append_metrics, read_run_json, status_of,
+                         update_run_json)
 from train.harness.node_facts import write_node_facts
 from train.harness.outcome import mark_stderr, record_failure, record_hang, record_outcome
 from train.harness.preempt import PreemptionFlag
@@ -138,7 +139,7 @@ def _claim(cfg: RunConfig, layout: Layout, ctx, run_dir: Path, log: logging.Logg
         update_run_json(run_dir, status=Status.RUNNING, job_id=ctx.job_id, hostnames=hostnames,
                         world_size=ctx.world_size, nodes=len(hostnames), segments=int(info[0].get("segments", 0)) + 1,
                         strategy=cfg.strategy.name, launcher=ctx.launcher, backend=ctx.backend,
-                        started_at=time.time(), restart_count=ctx.restart_count, error=None, failure=None)
+                        started_at=time.time(), restart_count=ctx.restart_count, **SEGMENT_FAILURE)
     mark_stderr(run_dir)  # a hardware fault is looked for in this segment's stderr only
     if ctx.local_rank == 0:  # each node's torch, CUDA, driver, NCCL, GPUs: RUN_DIR/nodes/<host>.json
         try:

@@ -38,7 +38,7 @@ from typing import Any, Dict, Optional
 from slurm.env import expand_hostlist, task_env
 from spec.config import RunConfig, to_run_config
 from spec.layout import build_layout
-from spec.rundir import CONFIG, ENTRYPOINT, Status, read_run_json, status_of, update_run_json
+from spec.rundir import CONFIG, ENTRYPOINT, SEGMENT_FAILURE, Status, read_run_json, status_of, update_run_json
 from spec.user_env import task_environment
 from train import session
 from train.harness.outcome import after_interruption, record_failure
@@ -127,7 +127,7 @@ def _prepare(run_dir: Path) -> Optional[_Task]:
         update_run_json(run_dir, status=Status.RUNNING, job_id=te.job_id, hostnames=_hostnames(te.launcher),
                         world_size=te.world_size, nodes=cfg.cluster.nodes, segments=segment,
                         strategy=cfg.strategy.name, launcher=te.launcher, entrypoint=cfg.entrypoint,
-                        started_at=time.time(), restart_count=te.restart_count, error=None, failure=None,
+                        started_at=time.time(), restart_count=te.restart_count, **SEGMENT_FAILURE,
                         code_changed=changed)
     log.info(f"segment {segment}: {entry['kind']} {cfg.entrypoint}, rank {te.rank} of {te.world_size} ({te.launcher})")
     if changed:
