@@ -242,21 +242,19 @@ class Transformer(nn.Module):
         all get the very same values for the weights they hold (:func:`initial_tensor`).
         """
         for name, param in self.named_parameters():
-            t = param.data
-            rows = local_rows(t)
-            if rows is not None:  # FSDP / HSDP: draw only up to this rank's rows, piece by piece
-                local = t.to_local()
-                for first, piece in initial_chunks(self.cfg, clean_name(name), tuple(t.shape), seed, rows):
-                    local[first - rows[0]:first - rows[0] + piece.shape[0]].copy_(piece)
-            elif not isinstance(t, DTensor):  # whole (DDP, ZeRO-1/2, a pipeline stage): piece by piece
-                for first, piece in initial_chunks(self.cfg, clean_name(name), tuple(t.shape), seed, (0, t.shape[0])):
-                    t[first:first + piece.shape[0]].copy_(piece)
-            else:
+            t, shape = param.data, tuple(param.shape)
+            device = device or t.device
+            # FSDP / HSDP: this rank's rows; a whole tensor (DDP, ZeRO-1/2, a stage): all rows
+            rows = local_rows(t) or (None if isinstance(t, DTensor) else (0, shape[0]))
+            if rows is None:
                 # TP (and 2-D): every rank draws the full tensor and keeps its own piece
                 # (no communication).
-                full = initial_tensor(self.cfg, clean_name(name), tuple(t.shape), seed).to(t.dtype)
+                full = initial_tensor(self.cfg, clean_name(name), shape, seed).to(t.dtype)
                 t.copy_(distribute_tensor(full.to(t.device), t.device_mesh, t.placements, src_data_rank=None))
-            device = device or t.device
+                continue
+            target = t.to_local() if isinstance(t, DTensor) else t
+            for first, piece in initial_chunks(self.cfg, clean_name(name), shape, seed, rows):  # piece by piece
+                target[first - rows[0]:first - rows[0] + piece.shape[0]].copy_(piece)
         self.init_buffers(device)
 
     def init_buffers(self, device: torch.device) -> None:

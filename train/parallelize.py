@@ -6,7 +6,7 @@
 4. the builder's ``wrap``: FSDP shards the meta model (DDP and DeepSpeed wait),
 5. materialise and initialise every model part once, or load a Hugging Face checkpoint
    into it (the builder's ``materialise``: :func:`train.model.materialise`; DeepSpeed's
-   ZeRO-3 builds its model partitioned and fills it one gathered parameter at a time),
+   ZeRO-3 builds its model partitioned and each rank fills its own partitions),
 6. the builder's ``finish``: DDP / ``deepspeed.initialize``, optimizers, the engine.
 
 With pipeline parallel the model is first split into stages and every stage goes

@@ -28,9 +28,9 @@ class TrainJob:
 
 
 def exit_now(code: int) -> None:
-    """End an interrupted task of the built-in trainer at once. Its work is done (checkpoint committed, run.json
-    written, the requeue asked, trackers closed, the process group gone), and Slurm ends
-    the step as it requeues: an interpreter's teardown after torch took 3-4 s on this
+    """End an interrupted task of the built-in trainer at once. Its work is done
+    (checkpoint committed, run.json written, the requeue asked, trackers closed, the
+    process group gone), and Slurm ends the step as it requeues: an interpreter's teardown after torch took 3-4 s on this
     machine, outliving Slurm's SIGTERM until KillWait's SIGKILL, inside the requeue's wait
     (bench/goodput.py). Logs are flushed first; submitit's result file is not written (a
     requeued job's is never read)."""

@@ -1,9 +1,9 @@
 """Hang watchdog: detect a step that never ends, name the ranks that hold it up, exit.
 
-Every rank runs a small thread that, every few seconds (:func:`heartbeat_interval`), writes the rank's heartbeat
-(``RUN_DIR/heartbeat/rank{R}.json``: step, phase, host, last progress) and checks how
-long ago the rank last completed a step. The main thread only sets two attributes per
-phase, so the cost is nil. When no step has completed for ``cluster.hang_timeout_s``
+Every rank runs a small thread that, every few seconds (:func:`heartbeat_interval`),
+writes the rank's heartbeat (``RUN_DIR/heartbeat/rank{R}.json``: step, phase, host, last
+progress) and checks how long ago the rank last completed a step. The main thread only
+sets two attributes per phase, so the cost is nil. When no step has completed for ``cluster.hang_timeout_s``
 (until the segment's first step completes: ``startup_timeout_s``, which also covers
 model build, restore and the first step's lazy work: communicators, compile, DeepSpeed's
 extension build):

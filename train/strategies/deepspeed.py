@@ -12,10 +12,11 @@ so every engine does the same maths.
 Stage 3 builds the model under ``deepspeed.zero.Init``: each module's parameters are
 partitioned as soon as it is built, without zero.Init's broadcast of each new parameter
 and without initialising it (:func:`partitioned_build`, :func:`no_initial_values`: the
-whole parameter's pages are never written, so never resident); each rank then fills its own partition of every parameter from the rows that
-hold it (the initial values every layout gets, or the Hugging Face checkpoint's rows),
-without gathering. A model with tied embeddings takes the plain
-path (DeepSpeed's partitioning does not follow a parameter shared by two modules).
+whole parameter's pages are never written, so never resident); each rank then fills its
+own partition of every parameter from the rows that hold it (the initial values every
+layout gets, or the Hugging Face checkpoint's rows), without gathering. A model with
+tied embeddings takes the plain path (DeepSpeed's partitioning does not follow a
+parameter shared by two modules).
 Stages 0-2 keep every parameter on every rank anyway: the model is materialised in
 full, in the training dtype (bf16: 2 bytes per parameter), then ``deepspeed.initialize``
 partitions optimizer states (and gradients).
@@ -180,8 +181,7 @@ def partitioned_build(config: Dict[str, Any]):
     import deepspeed
 
     base = deepspeed.zero.Init
-    if not callable(getattr(base, "_zero_init_param", None)) or not callable(getattr(base, "_convert_to_deepspeed_param",
-                                                                                      None)):
+    if not all(callable(getattr(base, m, None)) for m in ("_zero_init_param", "_convert_to_deepspeed_param")):
         raise RuntimeError(f"deepspeed {deepspeed.__version__}: zero.Init has no _zero_init_param / "
                            "_convert_to_deepspeed_param; train/strategies/deepspeed.py partitioned_build needs updating")
 
