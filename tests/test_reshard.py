@@ -129,14 +129,28 @@ def test_fsdp_resumed_with_tensor_parallel(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero1_4_ranks_resumed_as_zero2_on_2(tmp_path, reference):
+def test_deepspeed_zero1_4_ranks_resumed_as_zero3_on_2(tmp_path, reference):
     """DeepSpeed refuses ZeRO partitions of another DP size: the trainer converts the step
-    to the universal format (checkpoints/universal/) and loads that."""
+    to the universal format (checkpoints/universal/) and loads that, here under ZeRO-3,
+    whose loader in DeepSpeed 0.19 shares one step tensor among the sub-groups and copies
+    the first group's weight decay onto all (both undone: the curve would part by 1e-2)."""
     run = failed_at_7(tmp_path, ["+strategy=zero1", "cluster.gpus_per_node=4"])
-    proc = resume(run, "strategy=zero2", "cluster.gpus_per_node=2", "fault.raise_at_step=0")
+    proc = resume(run, "strategy=zero3", "cluster.gpus_per_node=2", "fault.raise_at_step=0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (run / "checkpoints" / "universal" / "step_00000004" / "state" / "zero").is_dir()
-    assert_continued(run, reference, {"world_size": 4, "zero_stage": 1}, {"world_size": 2, "zero_stage": 2})
+    assert_continued(run, reference, {"world_size": 4, "zero_stage": 1}, {"world_size": 2, "zero_stage": 3})
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_offload_4_ranks_resumed_as_zero2_on_2(tmp_path, reference):
+    """The other way: a ZeRO-3 conversion (flat tensors, no per-parameter step) loaded by
+    the stage-1/2 loader; the profile replaces the strategy section, so no offload is left."""
+    run = failed_at_7(tmp_path, ["+strategy=zero3_offload", "cluster.gpus_per_node=4"])
+    proc = resume(run, "strategy=zero2", "cluster.gpus_per_node=2", "fault.raise_at_step=0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    saved = yaml.safe_load((run / CONFIG).read_text())["strategy"]
+    assert not saved["offload_optimizer"] and not saved["offload_params"]
+    assert_continued(run, reference, {"world_size": 4, "zero_stage": 3}, {"world_size": 2, "zero_stage": 2})
 
 
 # --- without training: the loader, the refusals, the batch arithmetic -------------------
@@ -220,8 +234,7 @@ def test_a_change_the_checkpoint_cannot_take_is_refused(tmp_path, capsys, overri
     assert (run / CONFIG).read_text() == before and not (run / "run.json").exists()  # nothing written
 
 
-@pytest.mark.parametrize("stage,overrides", [(3, ["cluster.gpus_per_node=2"]), (1, ["strategy=zero3"]),
-                                             (0, ["strategy.zero_stage=1"])])
+@pytest.mark.parametrize("stage,overrides", [(0, ["strategy.zero_stage=1"]), (2, ["strategy.zero_stage=0"])])
 def test_deepspeed_reshapes_it_cannot_load_are_refused(tmp_path, capsys, stage, overrides):
     from launcher.track.resume import main
 

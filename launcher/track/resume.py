@@ -9,8 +9,9 @@ profile) apply to the saved config: ``cluster.nodes=1``, ``cluster.gpus_per_node
 ``strategy=fsdp`` resume the checkpoint on another shape (README: "Resume on another
 shape"). What the checkpoint cannot continue is refused with one line (exit 2, nothing
 written or submitted): the model, the data stream (``data.*``, ``train.seq_len``), a
-switch between the torch engine and DeepSpeed, a change of the pipeline degree, of
-DeepSpeed's offload, and a reshape to, from or of ZeRO-3 or stage 0. When the data-parallel degree changes and neither
+switch between the torch engine and DeepSpeed, a change of the pipeline degree, and a
+change to or from DeepSpeed's stage 0 (ZeRO stages 1-3 convert into each
+other through DeepSpeed's universal checkpoint). When the data-parallel degree changes and neither
 ``train.micro_batch_size`` nor ``train.grad_accum`` is given, the global batch is kept
 (the new degree must divide it): the per-rank share is split into micro-batch x
 accumulation anew. The new shape goes through the launcher's checks (layout rules, the
@@ -88,7 +89,11 @@ def apply_overrides(cfg: RunConfig, overrides: List[str]) -> RunConfig:
                 name = o.get_value_element_as_str()
                 if name not in group_options(key):
                     raise ConfigError(f"{text}: unknown {key} {name!r}; options: {', '.join(group_options(key))}")
-                conf[key] = OmegaConf.merge(conf[key], OmegaConf.load(CONF_DIR / key / f"{name}.yaml"))
+                # strategy=NAME is that profile as `+strategy=NAME` composes it (over the schema's
+                # defaults: zero3_offload -> zero2 leaves no offload behind); cluster=NAME goes over
+                # the saved section, which keeps what the run learnt of its nodes (cluster.exclude).
+                base = OmegaConf.structured(type(getattr(cfg, key))()) if key == "strategy" else conf[key]
+                conf[key] = OmegaConf.merge(base, OmegaConf.load(CONF_DIR / key / f"{name}.yaml"))
             else:
                 check_key(key)
                 OmegaConf.update(conf, key, o.value(), merge=True)
@@ -124,16 +129,6 @@ def refuse_unresumable(old: RunConfig, new: RunConfig) -> None:
     if s.engine == "deepspeed" and (s.zero_stage == 0) != (t.zero_stage == 0):
         raise ConfigError(f"strategy.zero_stage={t.zero_stage}: a stage-0 checkpoint (no ZeRO partitions) and a "
                           f"ZeRO one do not convert into each other (saved: stage {s.zero_stage}); keep the stage")
-    if s.engine == "deepspeed" and 3 in (s.zero_stage, t.zero_stage) and \
-            (s.zero_stage, build_layout(old).dp) != (t.zero_stage, build_layout(new).dp):
-        raise ConfigError(f"strategy.zero_stage={t.zero_stage} (saved: stage {s.zero_stage}, dp {build_layout(old).dp}"
-                          f"): a ZeRO-3 checkpoint resumes on its own shape only (DeepSpeed 0.19's universal load "
-                          "does not continue a ZeRO-3 run exactly, and stages 1-2 and 3 do not load each other's "
-                          "files); keep the stage and the data-parallel degree, or use zero1/zero2")
-    for key in ("offload_optimizer", "offload_params"):
-        if getattr(s, key) != getattr(t, key):
-            raise ConfigError(f"strategy.{key}={getattr(t, key)}: not supported at resume (saved "
-                              f"{getattr(s, key)}); keep it")
     lo, ln = build_layout(old), build_layout(new)
     if lo.pp != ln.pp:  # each stage's state dict holds its own layers: DCP cannot regroup them
         raise ConfigError(f"strategy.pipeline_parallel={ln.pp} (strategy={t.name}): resuming at another pipeline "

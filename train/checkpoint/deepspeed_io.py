@@ -22,6 +22,8 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import torch
+
 from train.checkpoint.manifest import Sums
 
 SUBDIR = "deepspeed"
@@ -48,7 +50,10 @@ def load(engine, ckpt: Path, universal: bool = False) -> None:
     A universal load keeps the engine's per-group hyperparameters (the run config's):
     DeepSpeed 0.19's ZeRO-3 universal loader copies the first parameter group's onto
     every group, which gave the norms and biases (no weight decay) the matrices' weight
-    decay (seen here: the resumed loss drifted 1e-2 from the uninterrupted run's in 6 steps)."""
+    decay. It also gives every sub-group's state one and the same ``step`` tensor, which
+    torch's AdamW then advances in place once per sub-group and step: the bias correction
+    ran ahead and the resumed loss drifted 1e-2 from the uninterrupted run's in 6 steps.
+    Each state gets its own copy."""
     if not universal:
         engine.load_native(ckpt / SUBDIR)
         return
@@ -59,6 +64,10 @@ def load(engine, ckpt: Path, universal: bool = False) -> None:
         if len(gs) == len(hyper):
             for group, values in zip(gs, hyper):
                 group.update(values)
+    for opt in engine.optimizers:
+        for state in getattr(opt, "optimizer", opt).state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
 
 def deferred(rel: str) -> bool:
@@ -102,5 +111,51 @@ def to_universal(ckpt: Path) -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - reported by every rank, the checkpoint skipped
         shutil.rmtree(tmp, ignore_errors=True)
         return f"conversion to DeepSpeed's universal checkpoint failed: {type(exc).__name__}: {exc}"
+    for_every_stage(tmp / TAG)
     tmp.rename(out)
     return None
+
+
+
+MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stages 1-2, 3
+
+
+def for_every_stage(tag_dir: Path) -> None:
+    """Make a conversion load under every ZeRO stage, whichever stage saved it.
+
+    DeepSpeed 0.19's converter writes what the saving stage's loader reads, and the two
+    loaders read different things (weights and optimizer states come from ``zero/``, the
+    step counters from the model-states file):
+
+    - the model-states file is ``mp_rank_00_...`` under stages 1-2 and ``zero_pp_rank_0_...``
+      under stage 3 (a link of the other name is added);
+    - ``zero/optimizer_state.pt``: stage 3 reads the step of ``optimizer_state_dict``, stages
+      1-2 ``ds_version``; each gets the other's (the step alone, not rank 0's moments);
+    - each parameter's ``fp32``/``exp_avg``/``exp_avg_sq``: stages 1-2 read
+      ``{"cat_dim", "param"}`` at the parameter's shape and a ``step.pt`` beside them,
+      stage 3 writes a bare flat tensor and no step (reshaped, the step added)."""
+    present = [n for n in MODEL_STATES if (tag_dir / n).is_file()]
+    if not present:
+        return
+    for name in MODEL_STATES:
+        if not (tag_dir / name).exists():
+            (tag_dir / name).symlink_to(present[0])
+    states = torch.load(tag_dir / present[0], map_location="cpu", weights_only=False)
+    shapes = {name: shape for group in states["param_shapes"] for name, shape in group.items()}
+    path = tag_dir / "zero" / "optimizer_state.pt"
+    opt = torch.load(path, map_location="cpu", weights_only=False)
+    inner = opt.get("optimizer_state_dict")
+    step = inner["state"][0]["step"] if inner else None
+    for name, shape in shapes.items():
+        folder = tag_dir / "zero" / name
+        if step is None:
+            step = torch.load(folder / "step.pt", weights_only=False)
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            value = torch.load(folder / f"{key}.pt", map_location="cpu", weights_only=False)
+            if torch.is_tensor(value):
+                torch.save({"cat_dim": 0, "param": value.view(shape)}, folder / f"{key}.pt")
+        if not (folder / "step.pt").exists():
+            torch.save(step, folder / "step.pt")
+    opt["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": opt["param_groups"]}
+    opt.setdefault("ds_version", states.get("ds_version"))
+    torch.save(opt, path)
