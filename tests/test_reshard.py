@@ -129,6 +129,16 @@ def test_fsdp_resumed_with_tensor_parallel(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_fsdp_resumed_as_pipeline_stages(tmp_path, reference):
+    """The whole model's state -> two pipeline stages x DDP 2: the optimizer state is keyed
+    by full-model names (flattened), so each stage asks for its own layers' keys."""
+    run = failed_at_7(tmp_path, ["+strategy=fsdp", "cluster.gpus_per_node=4"])
+    proc = resume(run, "strategy=pp", "fault.raise_at_step=0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_continued(run, reference, {"world_size": 4, "pp": 1, "dp": 4}, {"world_size": 4, "pp": 2, "dp": 2})
+
+
+@pytest.mark.slow
 def test_deepspeed_zero1_4_ranks_resumed_as_zero3_on_2(tmp_path, reference):
     """DeepSpeed refuses ZeRO partitions of another DP size: the trainer converts the step
     to the universal format (checkpoints/universal/) and loads that, here under ZeRO-3,
@@ -217,12 +227,11 @@ def saved_run(tmp_path: Path, **sections) -> Path:
     (["data.seed=5"], "data.seed=5: a resume keeps the saved run's data stream"),
     (["train.seq_len=128"], "train.seq_len=128: a resume keeps train.seq_len=64"),
     (["strategy=zero2"], "strategy.engine=deepspeed (strategy=zero2): the checkpoint was saved by the torch engine"),
-    (["strategy=pp"], "resuming at another pipeline degree is not supported"),
     (["cluster.gpus_per_node=3"], "data-parallel degree 3 does not divide the global batch of 32"),
     (["train.nope=1"], "unknown field 'train.nope'"),
     (["cluster.nodes=1,2"], "one value per field"),
     (["strategy=nope"], "unknown strategy 'nope'"),
-], ids=["model", "data", "seq_len", "engine", "pp", "batch", "field", "sweep", "profile"])
+], ids=["model", "data", "seq_len", "engine", "batch", "field", "sweep", "profile"])
 def test_a_change_the_checkpoint_cannot_take_is_refused(tmp_path, capsys, overrides, words):
     from launcher.track.resume import main
 

@@ -9,9 +9,10 @@ profile) apply to the saved config: ``cluster.nodes=1``, ``cluster.gpus_per_node
 ``strategy=fsdp`` resume the checkpoint on another shape (README: "Resume on another
 shape"). What the checkpoint cannot continue is refused with one line (exit 2, nothing
 written or submitted): the model, the data stream (``data.*``, ``train.seq_len``), a
-switch between the torch engine and DeepSpeed, a change of the pipeline degree, and a
-change to or from DeepSpeed's stage 0 (ZeRO stages 1-3 convert into each
-other through DeepSpeed's universal checkpoint). When the data-parallel degree changes and neither
+switch between the torch engine and DeepSpeed, and a change to or from DeepSpeed's stage
+0. The torch strategies reshape freely (data, tensor and pipeline degrees: DCP); ZeRO
+stages 1-3 convert into each other through DeepSpeed's universal checkpoint. When the
+data-parallel degree changes and neither
 ``train.micro_batch_size`` nor ``train.grad_accum`` is given, the global batch is kept
 (the new degree must divide it): the per-rank share is split into micro-batch x
 accumulation anew. The new shape goes through the launcher's checks (layout rules, the
@@ -130,10 +131,6 @@ def refuse_unresumable(old: RunConfig, new: RunConfig) -> None:
         raise ConfigError(f"strategy.zero_stage={t.zero_stage}: a stage-0 checkpoint (no ZeRO partitions) and a "
                           f"ZeRO one do not convert into each other (saved: stage {s.zero_stage}); keep the stage")
     lo, ln = build_layout(old), build_layout(new)
-    if lo.pp != ln.pp:  # each stage's state dict holds its own layers: DCP cannot regroup them
-        raise ConfigError(f"strategy.pipeline_parallel={ln.pp} (strategy={t.name}): resuming at another pipeline "
-                          f"degree is not supported (saved {lo.pp}); keep pipeline_parallel={lo.pp} (the data-"
-                          "parallel and tensor-parallel layout may change)")
     if old.entrypoint and (run_shape(old, lo) != run_shape(new, ln)):
         raise ConfigError(f"entrypoint={old.entrypoint}: a user's code restores its own checkpoints; the launcher "
                           "reshapes only the built-in trainer's runs; resume it on its own shape")

@@ -298,7 +298,7 @@ class Checkpointer:
         owned = {p.name: files[str(p.relative_to(ckpt))] for p in mine if _read_by_dcp(str(p.relative_to(ckpt)))}
         readahead([ckpt / "dcp" / name for name in owned])  # the disk works while DCP plans the load
         try:
-            dcp.load({"app": AppState(engine)}, storage_reader=verifying_reader()(ckpt / "dcp", owned))
+            dcp.load({"app": AppState(engine, loading=True)}, storage_reader=verifying_reader()(ckpt / "dcp", owned))
         except CheckpointException as exc:
             corrupt = [e for e, _ in exc.failures.values() if isinstance(e, CorruptCheckpoint)]
             if not corrupt:

@@ -17,16 +17,27 @@ import numpy as np
 import torch
 
 from train.checkpoint.manifest import Sums, crc32
+from train.strategies.base import HYPERPARAMETERS
 
 
 class AppState:
-    """DCP Stateful over an engine's model + optimizer state."""
+    """DCP Stateful over an engine's model + optimizer state.
 
-    def __init__(self, engine) -> None:
+    ``loading``: what a load asks of the checkpoint leaves out the optimizer's
+    hyperparameters (``param_groups.`` keys), which the engine keeps from the run config (as
+    the universal DeepSpeed load does). The states' keys are the same whether the optimizer
+    state was saved flattened (now) or nested (checkpoints of earlier versions), so those
+    load too."""
+
+    def __init__(self, engine, loading: bool = False) -> None:
         self.engine = engine
+        self.loading = loading
 
     def state_dict(self) -> Dict[str, Any]:
-        return self.engine.state_dict()
+        state = self.engine.state_dict()
+        if self.loading:
+            state = {**state, "optim": {k: v for k, v in state["optim"].items() if not k.startswith(HYPERPARAMETERS)}}
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.engine.load_state_dict(state)

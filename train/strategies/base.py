@@ -86,10 +86,13 @@ class Engine(Protocol):
         """Mean loss over this rank's micro-batches, forward only (no gradient, no update)."""
 
     def state_dict(self) -> Dict[str, Any]:
-        """DCP state: {"model": ..., "optim": ...} (engines without native_checkpoint)."""
+        """DCP state: {"model": ..., "optim": ...} (engines without native_checkpoint), both
+        keyed by the full model's parameter names, the optimizer's flattened
+        (``state.NAME.exp_avg``, ``param_groups.NAME.lr``): the same keys whatever the layout."""
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (collective)."""
+        """Inverse of :meth:`state_dict` (collective); ``optim`` may lack the ``param_groups.``
+        keys (:data:`HYPERPARAMETERS`): the engine keeps its own then."""
 
     def save_native(self, path: Path) -> None:
         """Write the engine's own checkpoint files under ``path`` (native_checkpoint only)."""
@@ -141,6 +144,23 @@ class DeviceMemory:
         return peak_memory_bytes(self.device)
 
 
+HYPERPARAMETERS = "param_groups."  # the flattened optimizer state's keys of lr, betas, weight decay
+
+
+def state_dict_options():
+    """Optimizer state flattened: keyed by parameter name, so a pipeline stage, a whole
+    model and any sharding of it ask for the same keys (a resume may change the layout)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def with_own_hyperparameters(loaded: Dict[str, Any], own: Dict[str, Any]) -> Dict[str, Any]:
+    """The optimizer state to set: ``own``'s keys (this engine's), the loaded value where
+    there is one (the hyperparameters are the run config's when a load left them out)."""
+    return {key: loaded.get(key, value) for key, value in own.items()}
+
+
 class DCPState(DeviceMemory):
     """Model + optimizer through torch's get/set_state_dict (DDP, FSDP2, TP alike)."""
 
@@ -151,13 +171,15 @@ class DCPState(DeviceMemory):
     def state_dict(self) -> Dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model, optim = get_state_dict(self.module, self.optimizer)
+        model, optim = get_state_dict(self.module, self.optimizer, options=state_dict_options())
         return {"model": model, "optim": optim}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        _, own = get_state_dict(self.module, self.optimizer, options=state_dict_options())
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=with_own_hyperparameters(state["optim"], own), options=state_dict_options())
 
     def save_native(self, path: Path) -> None:
         raise NotImplementedError(f"{type(self).__name__} checkpoints through DCP (native_checkpoint=False)")

@@ -53,7 +53,8 @@ from spec.layout import Layout
 from spec.support import stages_per_rank
 from train.harness.dist import DistContext
 from train.model import Transformer
-from train.strategies.base import Batch, DCPState, EngineBuilder, Prepare, build_adamw, compute_dtype, loss_fn, set_lr
+from train.strategies.base import (Batch, DCPState, EngineBuilder, Prepare, build_adamw, compute_dtype, loss_fn, set_lr,
+                                  state_dict_options, with_own_hyperparameters)
 from train.strategies.ddp import wrap_ddp
 from train.strategies.fsdp import apply_fsdp
 
@@ -158,25 +159,24 @@ class PipelineEngine(DCPState):
 
     def state_dict(self) -> Dict[str, Any]:
         """Model and optimizer state of every stage held here, keyed by full-model names."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        options = StateDictOptions(flatten_optimizer_state_dict=True)
         model: Dict[str, Any] = {}
         optim: Dict[str, Any] = {}
         for part, opt in zip(self.parts, self.optimizers):
-            m, o = get_state_dict(part, opt, options=options)
+            m, o = get_state_dict(part, opt, options=state_dict_options())
             model.update(m)
             optim.update(o)
         return {"model": model, "optim": optim}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        options = StateDictOptions(flatten_optimizer_state_dict=True)
         for part, opt in zip(self.parts, self.optimizers):
-            mine_m, mine_o = get_state_dict(part, opt, options=options)  # this stage's keys
+            mine_m, mine_o = get_state_dict(part, opt, options=state_dict_options())  # this stage's keys
             set_state_dict(part, opt, model_state_dict={k: state["model"][k] for k in mine_m},
-                           optim_state_dict={k: state["optim"][k] for k in mine_o}, options=options)
+                           optim_state_dict=with_own_hyperparameters(state["optim"], mine_o),
+                           options=state_dict_options())
 
 
 class PipelineBuilder(EngineBuilder):
