@@ -274,6 +274,18 @@ class FaultConfig:
     # saw across segments (a step replayed after a crash: the later segment's counts).
     # Under tensor or pipeline parallel only the ranks of tp and pp coordinate 0 write.
     trace_samples: bool = False
+    # Rank preflight_slow_rank sleeps preflight_slow_s inside its timed preflight matmuls,
+    # so its node measures as a slow one would (train.preflight); -1 = off.
+    preflight_slow_rank: int = -1
+    preflight_slow_s: float = 2.0
+    # Rank hardware_fault_rank raises CUDA's error for an uncorrectable ECC error at step
+    # hardware_fault_at_step: its node's hardware is blamed (train/harness/health.py); 0 = off.
+    hardware_fault_rank: int = -1
+    hardware_fault_at_step: int = 0
+    # These two fire only in the job's run with this SLURM_RESTART_COUNT (0: its first
+    # run, and every run outside Slurm; -1: every run), so a requeued job runs clean.
+    preflight_slow_restart: int = 0
+    hardware_fault_restart: int = 0
 
 
 @dataclass

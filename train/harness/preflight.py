@@ -99,8 +99,9 @@ def add_unhealthy(result: Dict[str, Any], nodes_health: Dict[str, Dict[str, Any]
     return dict(result, outliers=list(outliers.values()))
 
 
-def measure(device, world_size: int, small: bool) -> Dict[str, Optional[float]]:
-    """This rank's matmul GFLOP/s and world all-reduce bus bandwidth (GB/s)."""
+def measure(device, world_size: int, small: bool, delay_s: float = 0.0) -> Dict[str, Optional[float]]:
+    """This rank's matmul GFLOP/s and world all-reduce bus bandwidth (GB/s); ``delay_s``
+    is slept inside the timed matmuls (``fault.preflight_slow_rank``)."""
     import torch
     import torch.distributed as dist
 
@@ -116,6 +117,7 @@ def measure(device, world_size: int, small: bool) -> Dict[str, Optional[float]]:
     t0 = time.perf_counter()
     for _ in range(iters):
         torch.mm(a, b)
+    time.sleep(delay_s)
     sync()
     gflops = 2 * n ** 3 * iters / (time.perf_counter() - t0) / 1e9
     bandwidth = None
@@ -134,7 +136,8 @@ def measure(device, world_size: int, small: bool) -> Dict[str, Optional[float]]:
     return {"gflops": gflops, "allreduce_gbps": bandwidth}
 
 
-def run_preflight(ctx, run_dir: Path, threshold: float, exclude: bool, log: Callable[[str], None]) -> Dict[str, Any]:
+def run_preflight(ctx, run_dir: Path, threshold: float, exclude: bool, log: Callable[[str], None],
+                  delay_s: float = 0.0) -> Dict[str, Any]:
     """Measure on every rank, write preflight.json (rank 0), stop the job on outliers if asked."""
     import torch.distributed as dist
 
@@ -146,7 +149,7 @@ def run_preflight(ctx, run_dir: Path, threshold: float, exclude: bool, log: Call
 
     t0 = time.time()
     mine = {"rank": ctx.rank, "host": ctx.hostname, "node": ctx.node_rank, "local_rank": ctx.local_rank,
-            **measure(ctx.device, ctx.world_size, small=ctx.device.type != "cuda")}
+            **measure(ctx.device, ctx.world_size, small=ctx.device.type != "cuda", delay_s=delay_s)}
     health = gpu_health() if ctx.local_rank == 0 else None  # one nvidia-smi per node
     ranks: List[Any] = [None] * ctx.world_size
     dist.all_gather_object(ranks, dict(mine, gpu_health=health))

@@ -27,6 +27,7 @@ from spec.validate import WATCHDOG_GRACE_S, validate
 from spec.layout import Layout, build_layout
 from spec.rundir import (CONFIG, SEGMENT_FAILURE, MetricsRow, Status, append_metrics, read_run_json, status_of,
                          update_run_json)
+from train.harness import faults
 from train.harness.node_facts import write_node_facts
 from train.harness.outcome import mark_stderr, record_failure, record_hang, record_outcome
 from train.harness.preempt import PreemptionFlag
@@ -148,7 +149,8 @@ def _claim(cfg: RunConfig, layout: Layout, ctx, run_dir: Path, log: logging.Logg
             log.info(f"node facts not written: {exc}")
     if cfg.train.preflight:  # on outlier nodes with preflight_exclude: records them, raises PreflightError
         from train.harness.preflight import run_preflight
-        run_preflight(ctx, run_dir, cfg.train.preflight_outlier, cfg.train.preflight_exclude, log.info)
+        run_preflight(ctx, run_dir, cfg.train.preflight_outlier, cfg.train.preflight_exclude, log.info,
+                      delay_s=faults.preflight_delay(cfg.fault, ctx.rank))
     return info[0]
 
 
