@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from launcher.plan.cli import compose  # noqa: E402
-from launcher.plan.memory import (CUDA_OVERHEAD, OP_SAC, compute_bytes, estimate, model_states,  # noqa: E402
-                                  stage_params, zero3_gathered)
+from launcher.plan.memory import (CUDA_OVERHEAD, OP_SAC, compute_bytes, estimate, fp32_grad_copy,  # noqa: E402
+                                  model_states, stage_params, zero3_gathered)
 from spec.layout import build_layout  # noqa: E402
 from spec.model_size import count_params, largest_module_params  # noqa: E402
 
@@ -67,22 +67,33 @@ def _cfg(overrides: List[str]):
 
 def paper_rows() -> List[Row]:
     """Model states (params + grads + optimizer) of Ψ = 7.5e9 on 64 GPUs, bf16, by stage:
-    the baseline is DDP; stage 1 with gradient accumulation (the paper's full gradients)."""
+    the baseline is DDP; stage 1 with gradient accumulation (the paper's full gradients).
+    The planner's states as the paper counts them: without DeepSpeed's fp32 copy of the
+    gradient partition at the step, a temporary buffer (the paper's residual states), which
+    the note gives."""
     rows = []
     base = ["+cluster=h100x8", f"cluster.nodes={PAPER_GPUS // 8}", "+model=llama3_8b", "strategy.mixed_precision=bf16"]
-    notes = {
-        "zero1": "every micro-step is a boundary: DeepSpeed reduces gradients as they come, as at stage 2",
-        "zero2": "+ the fp32 copy of the gradient partition at the step (4/N), measured",
-        "zero3": "+ the fp32 copy of the gradient partition at the step (whole while Ψ/N < sub_group_size), measured",
-    }
-    for stage, strategy, extra in ((0, "ddp", []), (1, "zero1", ["train.grad_accum=2"]), (1, "zero1", []),
-                                   (2, "zero2", []), (3, "zero3", [])):
+    for stage, strategy, extra in ((0, "ddp", []), (1, "zero1", ["train.grad_accum=2"]), (2, "zero2", []),
+                                   (3, "zero3", [])):
         cfg, layout = _cfg([*base, f"+strategy={strategy}", *extra])
         p, g, o, *_ = model_states(cfg, layout, PAPER_PSI)
-        case = f"stage {stage} ({strategy}{', grad_accum 2' if extra else ', grad_accum 1' if stage == 1 else ''})"
+        copy = fp32_grad_copy(cfg, layout, PAPER_PSI)
+        note = f"+ {copy / GB:.2f} GB at the step: {PAPER_NOTES[strategy]}" if copy else PAPER_NOTES.get(strategy, "")
+        if extra:  # the same without accumulation, all of it
+            one, one_layout = _cfg([*base, f"+strategy={strategy}"])
+            note = note.format(sum(model_states(one, one_layout, PAPER_PSI)[:3]) / GB)
+        case = f"stage {stage} ({strategy}{', grad_accum 2' if extra else ''})"
         rows.append(Row("ZeRO paper Fig. 1 (7.5B, 64 GPUs)", case, "model states", ZERO_PAPER_GB[stage],
-                        (p + g + o) / GB, "GB", "" if extra else notes.get(strategy, "")))
+                        (p + g + o - copy) / GB, "GB", note))
     return rows
+
+
+PAPER_NOTES = {
+    "zero1": ("with grad_accum 1 every micro-step is a boundary and DeepSpeed reduces the gradients as they come, as "
+              "at stage 2 ({:.2f} GB with the fp32 copy)"),
+    "zero2": "the fp32 copy of the gradient partition (4Ψ/N), measured",
+    "zero3": "the fp32 copy of the gradient partition (whole while Ψ/N < sub_group_size), measured",
+}
 
 
 def deepspeed_gpu_cpu(cfg, layout) -> tuple:
@@ -106,12 +117,20 @@ def deepspeed_gpu_cpu(cfg, layout) -> tuple:
 def planner_gpu_cpu(cfg, layout) -> tuple:
     """The planner's terms DeepSpeed's estimator counts: model states on the GPU (stage 3:
     plus the largest module gathered with its gradient, DeepSpeed's 4 x largest layer) and
-    the host memory per node."""
+    the host memory per node without the gradient partition (see :func:`host_grad_partition`)."""
     psi = stage_params(cfg.model, layout.tp, layout.pp)[0]
     p, g, o, _, cpu, _ = model_states(cfg, layout, psi)
     gathered = zero3_gathered(cfg, layout, psi, compute_bytes(cfg), reuse_cache=False) if cfg.strategy.zero_stage == 3 \
         else 0.0
-    return p + g + o + gathered, cpu * cfg.cluster.gpus_per_node
+    return p + g + o + gathered, cpu * cfg.cluster.gpus_per_node - host_grad_partition(cfg, layout, psi)
+
+
+def host_grad_partition(cfg, layout, psi: int) -> float:
+    """Per node: the compute-dtype gradient partition that ZeRO-3 keeps on the host under
+    optimizer offload (stage3.py allocates it on ``self.device``, the CPU), which DeepSpeed's
+    estimator leaves out."""
+    offloaded = cfg.strategy.zero_stage == 3 and cfg.strategy.offload_optimizer
+    return compute_bytes(cfg) * psi / layout.dp * cfg.cluster.gpus_per_node if offloaded else 0.0
 
 
 def deepspeed_rows() -> List[Row]:
@@ -127,8 +146,10 @@ def deepspeed_rows() -> List[Row]:
                 case = f"{model} {strategy}, {nodes} x 8 GPUs"
                 rows.append(Row(f"DeepSpeed {fn}", case, "per GPU", ref_gpu / GB, gpu / GB, "GB"))
                 if cfg.strategy.offload_optimizer:
+                    extra = host_grad_partition(cfg, layout, stage_params(cfg.model, layout.tp, layout.pp)[0])
                     rows.append(Row(f"DeepSpeed {fn}", case, "host, per node", ref_cpu / GB, cpu / GB, "GB",
-                                    "+ the bf16 gradient partition DeepSpeed keeps on the host (2/N)"))
+                                    f"+ {extra / GB:.2f} GB: the bf16 gradient partition stage3.py keeps on the host "
+                                    "(2Ψ/N), which the estimator leaves out"))
     return rows
 
 

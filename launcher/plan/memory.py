@@ -312,6 +312,22 @@ def _deepspeed_states(cfg: RunConfig, layout: Layout, psi: int, e: int):
     return p, g, o, buffers, cpu, n
 
 
+def fp32_grad_copy(cfg: RunConfig, layout: Layout, psi: int) -> float:
+    """The part of :func:`model_states`' gradients that DeepSpeed holds only at the optimizer
+    step: the fp32 copy of the gradient partition (4Ψ/N at stages 1-2, 4 min(Ψ/N,
+    sub_group_size) at stage 3), a temporary buffer (the ZeRO paper's residual states, not
+    its model states). None at stage 0, under optimizer offload (on the host) and where
+    stage 1's accumulated full gradients are the larger term."""
+    s, n, e = cfg.strategy, layout.dp, compute_bytes(cfg)
+    if s.engine != "deepspeed" or s.zero_stage == 0 or s.offload_optimizer:
+        return 0.0
+    if s.zero_stage == 3:
+        return 4.0 * min(psi / n, DS_SUB_GROUP)
+    if s.zero_stage == 1 and cfg.train.grad_accum > 1 and layout.pp == 1 and e * psi >= (e + 4.0) * psi / n:
+        return 0.0
+    return 4.0 * psi / n
+
+
 def zero3_gathered(cfg: RunConfig, layout: Layout, psi: int, e: int, reuse_cache: bool = True) -> float:
     """ZeRO-3's gathered parameters beyond the partition: the largest module gathered and its
     unsharded gradient before the reduce-scatter (2e x largest: DeepSpeed's estimators count
