@@ -133,9 +133,9 @@ def test_activation_formula_on_fixed_inputs():
 
 
 def test_vocab_parallel_loss_shards_the_logits():
-    """TP without PP keeps the logits sharded over the vocabulary (train/parallelize.py):
-    the head's (e + 4) vocab and the 4 vocab gradient per token divide by tp; a pipeline's
-    last stage gathers them."""
+    """TP keeps the logits sharded over the vocabulary (train/parallelize.py): the head's
+    (e + 4) vocab and the 4 vocab gradient per token divide by tp, on a pipeline's last
+    stage too."""
     base = ["+cluster=h100x8", "+model=llama3_8b", "+strategy=fsdp_tp", "train.micro_batch_size=1",
             "train.seq_len=1024", "strategy.mixed_precision=bf16"]
     acts = {}
@@ -150,7 +150,7 @@ def test_vocab_parallel_loss_shards_the_logits():
                       "strategy.mixed_precision=bf16"])
     layout = build_layout(pp)
     assert layout.pp > 1 and layout.tp > 1
-    assert activation_terms(pp, layout, "none")[3] == 4.0 * pp.model.vocab_size  # gathered: whole on every TP rank
+    assert activation_terms(pp, layout, "none")[3] == 4.0 * pp.model.vocab_size / layout.tp  # sharded there too
 
 
 def test_op_level_selective_checkpointing():

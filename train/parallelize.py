@@ -53,10 +53,16 @@ def make_builder(cfg: RunConfig, layout: Layout, ctx: DistContext) -> EngineBuil
     return get_builder(cfg)(cfg, layout, ctx, mesh)
 
 
+def keeps_logits_sharded(layout: Layout) -> bool:
+    """Whether the head's logits stay sharded over the vocabulary (the loss vocab-parallel):
+    under any tensor parallel, a pipeline's last stage too."""
+    return layout.tp_enabled
+
+
 def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistContext) -> Engine:
     """Steps 1-6 above on ``model`` (on the meta device)."""
     builder = make_builder(cfg, layout, ctx)
-    vocab_parallel = layout.tp_enabled and not layout.pp_enabled
+    vocab_parallel = keeps_logits_sharded(layout)
 
     def prepare(part: Transformer) -> None:
         """Steps 1-3 on the whole model, or on one pipeline stage."""

@@ -146,10 +146,9 @@ def op_sac_block_bytes(m: ModelConfig, tp: int, e: int) -> float:
 
 
 def vocab_shards(layout: Layout) -> int:
-    """Ranks the logits are split over: tp without pipeline parallel (train/parallelize.py
-    keeps them sharded over the vocabulary and computes the loss vocab-parallel); a
-    pipeline's last stage gathers them whole."""
-    return layout.tp if layout.pp == 1 else 1
+    """Ranks the logits are split over: tp (train/parallelize.py keeps them sharded over the
+    vocabulary and computes the loss vocab-parallel, a pipeline's last stage too)."""
+    return layout.tp
 
 
 def block_bytes(m: ModelConfig, tp: int, e: int, autocast: bool, checkpointed: bool) -> float:

@@ -12,8 +12,8 @@ The plan is data: module FQN -> ParallelStyle, one for the root and one for ever
   results are reduce-scattered to sequence shards). Head: column-parallel over the
   vocabulary; its logits stay sharded over the vocabulary and the cross-entropy runs
   vocab-parallel (train/strategies/vocab_parallel.py, as torchtitan's ``loss_parallel``
-  and Megatron-LM), so no rank holds the full vocabulary's logits. Pipeline stages still
-  gather them (the schedule computes the loss itself).
+  and Megatron-LM), so no rank holds the full vocabulary's logits; on a pipeline's last
+  stage too, where the schedule hands the sharded logits to the same loss function.
 
 Every parameter ends up a DTensor on the TP mesh (norms replicated), so FSDP on top
 gives uniform 2D (dp, tp) parameters and the gradient norm is one DTensor reduction.
