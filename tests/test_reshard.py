@@ -161,6 +161,17 @@ def test_deepspeed_zero3_offload_4_ranks_resumed_as_zero2_on_2(tmp_path, referen
     saved = yaml.safe_load((run / CONFIG).read_text())["strategy"]
     assert not saved["offload_optimizer"] and not saved["offload_params"]
     assert_continued(run, reference, {"world_size": 4, "zero_stage": 3}, {"world_size": 2, "zero_stage": 2})
+    # the conversion, rewritten for stage 2, is reused as it is by a later load at any stage
+    import torch
+
+    from train.checkpoint.deepspeed_io import for_stage
+
+    tag = run / "checkpoints" / "universal" / "step_00000004" / "state"
+    files = {p: p.read_bytes() for p in tag.rglob("*.pt") if not p.is_symlink()}
+    for stage in (2, 3, 1):
+        for_stage(tag, stage)
+    assert {p: p.read_bytes() for p in tag.rglob("*.pt") if not p.is_symlink()} == files
+    assert set(torch.load(tag / "zero" / "output.weight" / "exp_avg.pt", weights_only=False)) == {"cat_dim", "param"}
 
 
 # --- without training: the loader, the refusals, the batch arithmetic -------------------

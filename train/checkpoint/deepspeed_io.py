@@ -12,11 +12,13 @@ world size other than the saved one): rank 0 converts it once into DeepSpeed's
 universal format (``deepspeed.checkpoint.ds_to_universal``, in process, into
 ``checkpoints/universal/step_N/``, beside the committed directory, which stays as it
 was), and the engine, built with ``"checkpoint": {"load_universal": true}``
-(:func:`spec.ds_config.deepspeed_config`, ``checkpoint.load_universal``), loads that.
+(:func:`spec.ds_config.deepspeed_config`, ``checkpoint.load_universal``), loads that,
+at any ZeRO stage (:func:`for_stage` adds what the new stage's loader reads).
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from argparse import Namespace
 from pathlib import Path
@@ -90,38 +92,37 @@ def universal_dir(ckpt: Path) -> Path:
     return ckpt.parent / UNIVERSAL / ckpt.name
 
 
-def to_universal(ckpt: Path) -> Optional[str]:
-    """Convert ``ckpt``'s DeepSpeed files (rank 0, once: an earlier conversion is reused);
-    the reason it failed, or None. Into a temporary directory renamed when complete."""
+def to_universal(ckpt: Path, stage: int) -> Optional[str]:
+    """Convert ``ckpt``'s DeepSpeed files (rank 0, once: an earlier conversion is reused)
+    and make them loadable at ZeRO ``stage`` (:func:`for_stage`); the reason it failed, or
+    None. Into a temporary directory renamed when complete."""
     out = universal_dir(ckpt)
-    if (out / TAG).is_dir():
-        return None
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        from deepspeed.checkpoint.ds_to_universal import main as convert
-
-        # One worker: no process pool forked from a process with live gloo threads.
-        # inject_missing_state: our engine saves no universal_checkpoint_info (no TP/PP
-        # patterns to record), which the converter otherwise insists on.
-        convert(Namespace(input_folder=str(ckpt / SUBDIR / TAG), output_folder=str(tmp / TAG),
-                          num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                          inject_missing_state=True))
-    except Exception as exc:  # noqa: BLE001 - reported by every rank, the checkpoint skipped
+    if not (out / TAG).is_dir():
+        tmp = out.with_name(f".tmp-{out.name}")
         shutil.rmtree(tmp, ignore_errors=True)
-        return f"conversion to DeepSpeed's universal checkpoint failed: {type(exc).__name__}: {exc}"
-    for_every_stage(tmp / TAG)
-    tmp.rename(out)
-    return None
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            from deepspeed.checkpoint.ds_to_universal import main as convert
 
+            # One worker: no process pool forked from a process with live gloo threads.
+            # inject_missing_state: our engine saves no universal_checkpoint_info (no TP/PP
+            # patterns to record), which the converter otherwise insists on.
+            convert(Namespace(input_folder=str(ckpt / SUBDIR / TAG), output_folder=str(tmp / TAG),
+                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              inject_missing_state=True))
+        except Exception as exc:  # noqa: BLE001 - reported by every rank, the checkpoint skipped
+            shutil.rmtree(tmp, ignore_errors=True)
+            return f"conversion to DeepSpeed's universal checkpoint failed: {type(exc).__name__}: {exc}"
+        tmp.rename(out)
+    for_stage(out / TAG, stage)
+    return None
 
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stages 1-2, 3
 
 
-def for_every_stage(tag_dir: Path) -> None:
-    """Make a conversion load under every ZeRO stage, whichever stage saved it.
+def for_stage(tag_dir: Path, stage: int) -> None:
+    """Make a conversion load at ZeRO ``stage``, whichever stage saved it.
 
     DeepSpeed 0.19's converter writes what the saving stage's loader reads, and the two
     loaders read different things (weights and optimizer states come from ``zero/``, the
@@ -132,30 +133,42 @@ def for_every_stage(tag_dir: Path) -> None:
     - ``zero/optimizer_state.pt``: stage 3 reads the step of ``optimizer_state_dict``, stages
       1-2 ``ds_version``; each gets the other's (the step alone, not rank 0's moments);
     - each parameter's ``fp32``/``exp_avg``/``exp_avg_sq``: stages 1-2 read
-      ``{"cat_dim", "param"}`` at the parameter's shape and a ``step.pt`` beside them,
-      stage 3 writes a bare flat tensor and no step (reshaped, the step added)."""
+      ``{"cat_dim", "param"}`` at the parameter's shape and a ``step.pt`` beside them;
+      stage 3 reads that or the bare flat tensor it writes itself. Only a stage 1-2 load of
+      a ZeRO-3 conversion rewrites them (a pass over the states; ``step.pt``, written
+      last, marks a parameter done), so a ZeRO-3 reshape costs no more than the conversion.
+    All steps are idempotent: a conversion is reused by later loads at any stage."""
     present = [n for n in MODEL_STATES if (tag_dir / n).is_file()]
     if not present:
         return
     for name in MODEL_STATES:
         if not (tag_dir / name).exists():
             (tag_dir / name).symlink_to(present[0])
-    states = torch.load(tag_dir / present[0], map_location="cpu", weights_only=False)
-    shapes = {name: shape for group in states["param_shapes"] for name, shape in group.items()}
     path = tag_dir / "zero" / "optimizer_state.pt"
     opt = torch.load(path, map_location="cpu", weights_only=False)
+    states = torch.load(tag_dir / present[0], map_location="cpu", weights_only=False)
+    shapes = {name: shape for group in states["param_shapes"] for name, shape in group.items()}
     inner = opt.get("optimizer_state_dict")
-    step = inner["state"][0]["step"] if inner else None
-    for name, shape in shapes.items():
-        folder = tag_dir / "zero" / name
-        if step is None:
-            step = torch.load(folder / "step.pt", weights_only=False)
-        for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            value = torch.load(folder / f"{key}.pt", map_location="cpu", weights_only=False)
-            if torch.is_tensor(value):
-                torch.save({"cat_dim": 0, "param": value.view(shape)}, folder / f"{key}.pt")
-        if not (folder / "step.pt").exists():
-            torch.save(step, folder / "step.pt")
-    opt["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": opt["param_groups"]}
-    opt.setdefault("ds_version", states.get("ds_version"))
-    torch.save(opt, path)
+    step = inner["state"][0]["step"] if inner else torch.load(tag_dir / "zero" / next(iter(shapes)) / "step.pt",
+                                                                weights_only=False)
+    if stage in (1, 2):
+        for name, shape in shapes.items():
+            folder = tag_dir / "zero" / name
+            if (folder / "step.pt").exists():
+                continue
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                value = torch.load(folder / f"{key}.pt", map_location="cpu", weights_only=False)
+                if torch.is_tensor(value):  # else rewritten by a load that stopped before step.pt
+                    _save({"cat_dim": 0, "param": value.view(shape)}, folder / f"{key}.pt")
+            _save(step, folder / "step.pt")
+    if set(opt.get("optimizer_state_dict", {}).get("state", {}).get(0, {})) != {"step"} or "ds_version" not in opt:
+        opt["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": opt["param_groups"]}
+        opt.setdefault("ds_version", states.get("ds_version"))
+        _save(opt, path)
+
+
+def _save(obj: Any, path: Path) -> None:
+    """``torch.save`` that a kill leaves whole or not written (a conversion is reused)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)

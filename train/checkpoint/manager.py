@@ -268,7 +268,7 @@ class Checkpointer:
             return (f"saved at another shape than the newest checkpoint (universal load: {universal}); "
                     f"resume once more to load it")
         if universal:
-            reason = [deepspeed_io.to_universal(ckpt) if self.rank == 0 else None]
+            reason = [deepspeed_io.to_universal(ckpt, self.shape["zero_stage"]) if self.rank == 0 else None]
             dist.broadcast_object_list(reason, src=0)
             if reason[0] is not None:
                 return reason[0]
