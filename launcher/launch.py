@@ -12,6 +12,7 @@ passes down; nothing here keeps state between calls.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,9 +218,14 @@ def _common(cfg: RunConfig, layout: Layout, run_dir: Path) -> Dict[str, object]:
                 cluster=cfg.cluster.name, model=cfg.model.name, run_dir=str(run_dir))
 
 
-def start(session: Optional[Session], p: Point, wait: bool) -> int:
-    """Start (or restart) the run of ``p``: locally, waiting, or on Slurm."""
+def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[int] = None) -> int:
+    """Start (or restart) the run of ``p``: locally, waiting, or on Slurm. ``convert``: the
+    ZeRO stage to convert the newest checkpoint for first (:mod:`train.checkpoint.convert`)."""
     cfg, layout, run_dir = p.cfg, p.layout, p.run_dir
+    if convert is not None and cfg.cluster.backend != "slurm":
+        converted = subprocess.run([sys.executable, "-m", "train.checkpoint.convert", str(run_dir), str(convert)])
+        if converted.returncode:  # the job converts again and reports why, or falls back
+            print(f"conversion before the job failed (exit {converted.returncode}); the job tries again")
     if cfg.cluster.backend != "slurm":
         update_run_json(run_dir, status=Status.STARTING, job_id="local", requeues_since_submit=0,
                         **_common(cfg, layout, run_dir))
@@ -231,7 +237,13 @@ def start(session: Optional[Session], p: Point, wait: bool) -> int:
         print("\n".join(summary_lines(run_dir)))
         return 0 if code == 0 and status_of(read_run_json(run_dir)) is Status.COMPLETED else 1
 
-    job_id = str(submit.submit(cfg, layout, run_dir, p.slurm_conf).job_id)
+    after = None
+    if convert is not None:
+        after = submit.submit_conversion(cfg, layout, run_dir, convert, p.slurm_conf)
+        update_run_json(run_dir, conversion_job=after)
+        print(f"submitted job {after}: DeepSpeed's universal conversion of the newest checkpoint for ZeRO stage "
+              f"{convert} (1 node, CPUs only); the training job starts after it")
+    job_id = str(submit.submit(cfg, layout, run_dir, p.slurm_conf, after=after).job_id)
     submitted(session, p, job_id)
     if wait:
         return wait_and_report(job_id, run_dir, p.slurm_conf, cfg.launcher.wait_poll_s, cfg.launcher.wait_max_poll_s)

@@ -153,17 +153,46 @@ def render_script(cfg: RunConfig, layout: Layout, run_dir: Path, python: Optiona
     return submitit_adapter.render(slurm_parameters(cfg, layout), run_dir / "slurm", python, wrapper)
 
 
-def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[str]):
-    """Submit the job; return the submitit Job (returns as soon as sbatch answers)."""
+def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[str], after: Optional[str] = None):
+    """Submit the job; return the submitit Job (returns as soon as sbatch answers).
+    ``after``: a job id it starts after, whatever that job's outcome (``afterany``)."""
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf  # sbatch here and every task of the job read it
-    job = submitit_adapter.submit(task_call(run_dir), run_dir / "slurm", slurm_parameters(cfg, layout),
-                                  cfg.cluster.max_requeues)
+    params = slurm_parameters(cfg, layout)
+    if after:
+        params["additional_parameters"]["dependency"] = f"afterany:{after}"
+    job = submitit_adapter.submit(task_call(run_dir), run_dir / "slurm", params, cfg.cluster.max_requeues)
     try:
         shutil.copyfile(job.paths.submission_file, run_dir / "sbatch.sh")
     except OSError:
         pass
     return job
+
+
+CONVERT = "train.checkpoint.convert:run"  # the conversion job's one task, with the run directory and stage
+
+
+def conversion_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
+    """The conversion job's: one node, one task with the CPUs of all the node's tasks, the
+    run's partition, account, environment and container; no GPU, no requeue."""
+    c = cfg.cluster
+    params = slurm_parameters(cfg, layout)
+    params.update(job_name=f"{params['job_name']}-convert", nodes=1, ntasks_per_node=1,
+                  cpus_per_task=c.cpus_per_task * c.gpus_per_node)
+    for key in ("gpus_per_node", "teardown"):
+        params.pop(key, None)
+    params["additional_parameters"] = {k: v for k, v in params["additional_parameters"].items() if k != "requeue"}
+    return params
+
+
+def submit_conversion(cfg: RunConfig, layout: Layout, run_dir: Path, stage: int, slurm_conf: Optional[str]) -> str:
+    """Submit the universal conversion of the run's newest checkpoint for a ZeRO ``stage``
+    load (:mod:`train.checkpoint.convert`) as a CPU job (:func:`conversion_parameters`).
+    Its id, for the training job's dependency."""
+    if slurm_conf:
+        os.environ["SLURM_CONF"] = slurm_conf
+    call = TaskCall(CONVERT, (str(run_dir), stage))
+    return str(submitit_adapter.submit(call, run_dir / "slurm", conversion_parameters(cfg, layout), 0).job_id)
 
 
 # Elements per job array: Slurm's default MaxArraySize is 1001 (indices 0..1000).

@@ -225,6 +225,28 @@ def latest_checkpoint(run_dir: str | Path) -> Optional[Dict[str, Any]]:
         return None
 
 
+def latest_checkpoint_dir(run_dir: str | Path) -> Optional[Path]:
+    """The directory of the checkpoint that ``checkpoints/latest`` names, or None."""
+    root = Path(run_dir) / CHECKPOINTS
+    try:
+        path = root / (root / "latest").read_text().strip()
+    except OSError:
+        return None
+    return path if (path / "COMMITTED").is_file() else None
+
+
+def needs_universal(saved: Optional[Mapping[str, Any]], current: Mapping[str, Any]) -> bool:
+    """A ZeRO checkpoint saved at another data-parallel size or ZeRO stage than this run's
+    (shapes: :func:`run_shape`): it loads through DeepSpeed's universal format. Stage 0
+    keeps whole optimizer states in one file, which loads at any size (the launcher
+    refuses a change to or from stage 0)."""
+    if not saved or current.get("engine") != "deepspeed" or saved.get("engine") != "deepspeed":
+        return False
+    if not (saved.get("zero_stage") and current.get("zero_stage")):
+        return False
+    return (saved.get("dp"), saved.get("zero_stage")) != (current.get("dp"), current.get("zero_stage"))
+
+
 def shape_line(shape: Mapping[str, Any]) -> str:
     """A :func:`run_shape` in words, for logs and the launcher's output."""
     stage = f" stage {shape.get('zero_stage')}" if shape.get("engine") == "deepspeed" else ""

@@ -295,3 +295,19 @@ def test_the_new_shape_goes_through_the_memory_planner(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "dry run: nothing submitted" in out and "--nodes=2" in out, out
     assert (run / CONFIG).read_text() == before and not (run / "run.json").exists()
+
+
+def test_the_conversion_job_is_one_cpu_task_on_the_runs_partition():
+    """launcher.resume's conversion before a DeepSpeed reshape (tests/test_reshard_slurm.py
+    runs it): one node, one task with the node's CPUs, no GPU, no requeue."""
+    from helpers import compose_run
+    from launcher.submit import conversion_parameters, slurm_parameters
+    from spec.layout import build_layout
+
+    cfg = compose_run(["+cluster=a100x8", "cluster.nodes=4", "+strategy=zero3", "cluster.cpus_per_task=12"])
+    job, conv = slurm_parameters(cfg, build_layout(cfg)), conversion_parameters(cfg, build_layout(cfg))
+    assert job["gpus_per_node"] == 8 and job["additional_parameters"]["requeue"] and "teardown" in job
+    assert (conv["nodes"], conv["ntasks_per_node"], conv["cpus_per_task"]) == (1, 1, 96)
+    assert "gpus_per_node" not in conv and "teardown" not in conv and "requeue" not in conv["additional_parameters"]
+    assert conv["partition"] == job["partition"] and conv["setup"] == job["setup"] and conv["time"] == job["time"]
+    assert conv["job_name"] == job["job_name"] + "-convert"

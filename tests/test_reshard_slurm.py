@@ -60,3 +60,35 @@ def test_preempted_on_2_nodes_resumed_on_1(tmp_path, slurm_cluster):
     assert "resharded: saved by fsdp on 2 x 2 = 4 ranks" in (run_dir / "logs" / "rank0.log").read_text()
     assert_every_sample_once(run_dir, STEPS)
     assert os.path.exists(run_dir / "logs" / "samples_seg0_rank3.txt")  # the 4-rank segment traced too
+
+
+def test_deepspeed_reshape_converts_in_a_cpu_job_first(tmp_path, slurm_cluster):
+    """ZeRO-3 on 2 nodes fails at step 7 (checkpoint of step 4); resumed as ZeRO-2 on 1
+    node, the universal conversion runs as a CPU job of its own (1 task, no GPU) and the
+    training job follows it (``--dependency=afterany``), finds the conversion made and
+    completes from step 5 on."""
+    from slurm import query
+
+    env = slurm_cluster
+    args = ["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=2", "+strategy=zero3", "train.steps=10",
+            "train.seq_len=32", "data.num_tokens=50000", "checkpoint.every_steps=4", "fault.raise_at_step=7"]
+    job, run_dir = submit_run(args, tmp_path, env)
+    wait_until(lambda: read_run_json(run_dir).get("status") == "failed" and job_gone(job, env), 240,
+               "the ZeRO-3 run to fail at step 7 and leave the queue")
+    proc = subprocess.run([sys.executable, "-m", "launcher.resume", str(run_dir), "strategy=zero2", "cluster.nodes=1",
+                           "fault.raise_at_step=0", "--wait"], cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    info = read_run_json(run_dir)
+    conversion = info["conversion_job"]
+    assert f"submitted job {conversion}: DeepSpeed's universal conversion" in proc.stdout
+    assert info["status"] == "completed" and info["job_id"] != conversion and info["world_size"] == 2, info
+    rows = query.sacct_history([conversion], env=env).get(conversion)
+    assert rows and rows[-1]["State"] == "COMPLETED", rows
+    log = next((run_dir / "slurm").glob(f"{conversion}_0_log.out")).read_text()
+    assert "universal conversion of" in log and "for ZeRO stage 2 made" in log, log[-2000:]
+    assert (run_dir / "checkpoints" / "universal" / "step_00000004" / "state" / "zero").is_dir()
+    rows = read_metrics(run_dir)  # steps 5-6 ran twice: before the failure and after the resume
+    assert sorted(r["step"] for r in rows if r["world_size"] == 2) == list(range(5, 11))
+    assert {r["step"] for r in rows} == set(range(1, 11))
+    assert "resharded: saved by zero3 stage 3 on 2 x 2 = 4 ranks" in (run_dir / "logs" / "rank0.log").read_text()

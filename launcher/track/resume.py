@@ -18,7 +18,9 @@ data-parallel degree changes and neither
 accumulation anew. The new shape goes through the launcher's checks (layout rules, the
 memory planner) before anything is written; run.json's ``reshaped`` lists each change
 (``from``, ``to``, ``at_step``). ``launcher.dry_run=true`` prints the new shape's job and
-rank map and changes nothing.
+rank map and changes nothing. A DeepSpeed checkpoint that must go through the universal
+format is converted before the training job, by a CPU job it follows on Slurm, or before
+the ranks start locally (:mod:`train.checkpoint.convert`).
 """
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ from launcher.track.summary import summary_lines
 from slurm.env import expand_hostlist
 from spec.config import GROUPS, ConfigError, RunConfig, to_run_config, to_yaml
 from spec.layout import build_layout
-from spec.rundir import (CONFIG, EXCLUDING_FAILURES, latest_checkpoint, read_run_json, run_shape, shape_line,
-                         update_run_json)
+from spec.rundir import (CONFIG, EXCLUDING_FAILURES, latest_checkpoint, needs_universal, read_run_json, run_shape,
+                         shape_line, update_run_json)
 
 
 # What the checkpoint holds or the data position means: never changed by a resume.
@@ -180,6 +182,15 @@ def record_reshape(run_dir: Path, old: RunConfig, new: RunConfig, overrides: Lis
     print(f"reshaped: {shape_line(before)} -> {shape_line(after)}; resuming from {where}")
 
 
+def conversion_stage(run_dir: Path, new: RunConfig) -> Optional[int]:
+    """The ZeRO stage to convert the newest checkpoint for before the job (it was saved at
+    another data-parallel size or stage: DeepSpeed's universal format), else None."""
+    saved = latest_checkpoint(run_dir)
+    if saved and needs_universal(saved.get("shape"), run_shape(new, build_layout(new))):
+        return new.strategy.zero_stage
+    return None
+
+
 def _refused(exc: Exception) -> int:
     print(f"error: {exc}", file=sys.stderr)
     return 2
@@ -216,4 +227,4 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run(point)
     if args.overrides:
         record_reshape(run_dir, cfg, new, args.overrides)
-    return start(None, point, wait=args.wait)
+    return start(None, point, wait=args.wait, convert=conversion_stage(run_dir, new))

@@ -26,6 +26,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from spec.rundir import needs_universal  # noqa: F401 - the manager asks here
 from train.checkpoint.manifest import Sums
 
 SUBDIR = "deepspeed"
@@ -77,25 +78,16 @@ def deferred(rel: str) -> bool:
     return False
 
 
-def needs_universal(saved: Optional[Dict[str, Any]], current: Dict[str, Any]) -> bool:
-    """A ZeRO checkpoint saved at another data-parallel size or ZeRO stage than this run's
-    (shapes: :func:`spec.rundir.run_shape`). Stage 0 keeps whole optimizer states in one
-    file, which loads at any size (the launcher refuses a change to or from stage 0)."""
-    if not saved or current.get("engine") != "deepspeed" or saved.get("engine") != "deepspeed":
-        return False
-    if not (saved.get("zero_stage") and current.get("zero_stage")):
-        return False
-    return (saved.get("dp"), saved.get("zero_stage")) != (current.get("dp"), current.get("zero_stage"))
-
-
 def universal_dir(ckpt: Path) -> Path:
     return ckpt.parent / UNIVERSAL / ckpt.name
 
 
-def to_universal(ckpt: Path, stage: int) -> Optional[str]:
-    """Convert ``ckpt``'s DeepSpeed files (rank 0, once: an earlier conversion is reused)
-    and make them loadable at ZeRO ``stage`` (:func:`for_stage`); the reason it failed, or
-    None. Into a temporary directory renamed when complete."""
+def to_universal(ckpt: Path, stage: int, workers: int = 1) -> Optional[str]:
+    """Convert ``ckpt``'s DeepSpeed files (once: an earlier conversion is reused) and make
+    them loadable at ZeRO ``stage`` (:func:`for_stage`); the reason it failed, or None.
+    Into a temporary directory renamed when complete. ``workers``: the converter's process
+    pools (1 inside the training job: no pool forked from a process with live gloo
+    threads; :mod:`train.checkpoint.convert`, a process of its own, uses every CPU)."""
     out = universal_dir(ckpt)
     if not (out / TAG).is_dir():
         tmp = out.with_name(f".tmp-{out.name}")
@@ -104,12 +96,11 @@ def to_universal(ckpt: Path, stage: int) -> Optional[str]:
         try:
             from deepspeed.checkpoint.ds_to_universal import main as convert
 
-            # One worker: no process pool forked from a process with live gloo threads.
             # inject_missing_state: our engine saves no universal_checkpoint_info (no TP/PP
             # patterns to record), which the converter otherwise insists on.
             convert(Namespace(input_folder=str(ckpt / SUBDIR / TAG), output_folder=str(tmp / TAG),
-                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=True))
+                              num_extract_workers=workers, num_merge_workers=workers, keep_temp_folder=False,
+                              strict=True, inject_missing_state=True))
         except Exception as exc:  # noqa: BLE001 - reported by every rank, the checkpoint skipped
             shutil.rmtree(tmp, ignore_errors=True)
             return f"conversion to DeepSpeed's universal checkpoint failed: {type(exc).__name__}: {exc}"
