@@ -137,7 +137,8 @@ def for_stage(tag_dir: Path, stage: int) -> None:
             (tag_dir / name).symlink_to(present[0])
     path = tag_dir / "zero" / "optimizer_state.pt"
     opt = torch.load(path, map_location="cpu", weights_only=False)
-    states = torch.load(tag_dir / present[0], map_location="cpu", weights_only=False)
+    # mmap: under stages 1-2 the file also holds the whole model, of which only the shapes are read
+    states = torch.load(tag_dir / present[0], map_location="cpu", weights_only=False, mmap=True)
     shapes = {name: shape for group in states["param_shapes"] for name, shape in group.items()}
     inner = opt.get("optimizer_state_dict")
     step = inner["state"][0]["step"] if inner else torch.load(tag_dir / "zero" / next(iter(shapes)) / "step.pt",
