@@ -145,8 +145,12 @@ def test_deepspeed_zero1_4_ranks_resumed_as_zero3_on_2(tmp_path, reference):
     whose loader in DeepSpeed 0.19 shares one step tensor among the sub-groups and copies
     the first group's weight decay onto all (both undone: the curve would part by 1e-2)."""
     run = failed_at_7(tmp_path, ["+strategy=zero1", "cluster.gpus_per_node=4"])
+    dry = resume(run, "strategy=zero3", "cluster.gpus_per_node=2", "launcher.dry_run=true")
+    assert "would first convert the newest checkpoint to DeepSpeed's universal format for ZeRO stage 3" in dry.stdout
+    assert not (run / "checkpoints" / "universal").exists()
     proc = resume(run, "strategy=zero3", "cluster.gpus_per_node=2", "fault.raise_at_step=0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "universal conversion of" in proc.stdout  # before the ranks start (train/checkpoint/convert.py)
     assert (run / "checkpoints" / "universal" / "step_00000004" / "state" / "zero").is_dir()
     assert_continued(run, reference, {"world_size": 4, "zero_stage": 1}, {"world_size": 2, "zero_stage": 3})
 

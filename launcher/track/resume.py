@@ -223,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     for line in notes:
         print(line)
     point = Point(new, layout, run_dir, slurm_conf, label=f"resume {run_dir.name}", overrides=[], multirun=False)
+    convert = conversion_stage(run_dir, new)
     if new.launcher.dry_run:  # the new shape's script and rank map; the run directory keeps its config
+        if convert is not None:
+            print(f"would first convert the newest checkpoint to DeepSpeed's universal format for ZeRO stage "
+                  f"{convert} ({'a CPU job the training job follows' if cfg.cluster.backend == 'slurm' else 'here'})")
         return dry_run(point)
     if args.overrides:
         record_reshape(run_dir, cfg, new, args.overrides)
-    return start(None, point, wait=args.wait, convert=conversion_stage(run_dir, new))
+    return start(None, point, wait=args.wait, convert=convert)
