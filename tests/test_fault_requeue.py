@@ -12,10 +12,10 @@ One 2-node job on the 4-node cluster (train/harness/badnodes.py):
    its node (``failure: hardware_fault``), and the job is requeued without it too;
 3. third run: on the two nodes left, it resumes from the checkpoint of step 4 and completes.
 
-The injected slowness (5 s over 8 matmuls of 512^2: under 0.5 GFLOP/s) is far below the
-threshold used here (0.15 x the median of the two nodes), and the clean runs' nodes are
-within a few percent of each other on an idle machine, so no natural outlier is taken
-for the injected one.
+The injected slowness (8 s over 8 matmuls of 512^2: 0.27 GFLOP/s) is an outlier at the
+threshold used here (0.1 x the median of the two nodes, i.e. below 0.053 x the other node)
+while the other node measures above 5 GFLOP/s (about 45 on an idle machine, seen); a
+clean run would need one node 19x slower than the other to see a false outlier.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slurm_whole, pytest.mark.slow]  # r
 
 def test_preflight_outlier_then_hardware_fault_are_excluded_by_automatic_requeues(tmp_path, slurm_cluster):
     proc = launcher(["+cluster=localslurm", "cluster.nodes=2", "train.steps=12", "checkpoint.every_steps=2",
-                     "train.preflight=true", "train.preflight_exclude=true", "train.preflight_outlier=0.15",
-                     "fault.preflight_slow_rank=2", "fault.preflight_slow_s=5",
+                     "train.preflight=true", "train.preflight_exclude=true", "train.preflight_outlier=0.1",
+                     "fault.preflight_slow_rank=2", "fault.preflight_slow_s=8",
                      "fault.hardware_fault_rank=2", "fault.hardware_fault_at_step=5", "fault.hardware_fault_restart=1"],
                     cwd=tmp_path, env=slurm_cluster, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
