@@ -386,3 +386,21 @@ def test_offload_needs_host_memory():
         check_fits(cfg, build_layout(cfg))
     big = compose_run([*base, "cluster.mem_gb=2000"])
     assert estimate(big, build_layout(big)).fits
+
+
+def test_config_dir_as_the_launcher_takes_it(tmp_path):
+    """``--config-dir DIR`` finds a team's own cluster; the #1 line carries the directory, and
+    the launcher accepts it as printed (dry run); giving hydra.searchpath too is refused."""
+    (tmp_path / "cluster").mkdir()
+    text = (REPO / "conf" / "cluster" / "a100x8.yaml").read_text().replace("name: a100x8", "name: ourcluster")
+    (tmp_path / "cluster" / "ourcluster.yaml").write_text(text)
+    proc = plan_cli(["--config-dir", str(tmp_path), "+cluster=ourcluster", "+model=llama3_8b"])
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("#1: "))
+    assert line.startswith(f"#1: python -m launcher --config-dir {tmp_path} +cluster=ourcluster"), line
+    launch = subprocess.run([sys.executable, *line[len("#1: python "):].split(), "launcher.dry_run=true"], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert launch.returncode == 0 and "#SBATCH" in launch.stdout, launch.stdout + launch.stderr
+    both = plan_cli(["--config-dir", str(tmp_path), f"hydra.searchpath=[file://{tmp_path}]", "+cluster=ourcluster"])
+    assert both.returncode == 2 and "give one of them" in both.stderr and both.stderr.count("\n") == 1
+    assert plan_cli(["+cluster=ourcluster"]).returncode == 2  # not found without the directory

@@ -1,4 +1,4 @@
-"""``python -m launcher.plan +cluster=C +model=M [+strategy=S] [overrides] [plan.*] [-m]``
+"""``python -m launcher.plan [--config-dir DIR] +cluster=C +model=M [+strategy=S] [overrides] [plan.*] [-m]``
 
 Predicted memory per GPU (and step time) for the given strategy or for every preset in
 conf/strategy/, then the best layouts for the cluster; with ``-m`` once per point of a
@@ -11,7 +11,9 @@ sweep (``cluster.nodes=1,2,4 -m``; JSON objects then carry the point's overrides
     plan.mfu=0.4             assumed model FLOPs utilisation of the cost model
     plan.global_batch=N      sequences per optimizer step the recommendations keep
 
-Bad input exits 2 with one line, as ``python -m launcher`` does. :func:`check_fits` is
+``--config-dir DIR`` (or ``hydra.searchpath=[file://DIR]``) adds a team's own config
+groups, as for ``python -m launcher``; the printed #1 command carries it. Bad input exits
+2 with one line, as ``python -m launcher`` does. :func:`check_fits` is
 the launcher's gate before submission. Pure: no torch import (see docs/planner.md).
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 from launcher.plan.costmodel import MFU, Candidate, StepTime, candidates, step_time
 from launcher.plan.memory import GB, Memory, compute_bytes, estimate
 from launcher.compose import PointComposer, expand, standalone
-from launcher.overrides import CONF_DIR, check_overrides, group_options
+from launcher.overrides import CONF_DIR, check_overrides, group_options, split_args
 from spec.config import ConfigError, RunConfig
 from spec.validate import validate
 from spec.layout import Layout, build_layout
@@ -164,7 +166,8 @@ def strategy_table(rows: List[Tuple[str, RunConfig, object]]) -> List[str]:
     return lines
 
 
-def recommend_table(cands: List[Candidate], top: int, cfg: RunConfig, global_batch: int) -> List[str]:
+def recommend_table(cands: List[Candidate], top: int, cfg: RunConfig, global_batch: int,
+                    launch: str = "python -m launcher") -> List[str]:
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     lines = [f"best layouts for {cfg.cluster.nodes} x {cfg.cluster.name} (global batch {global_batch} sequences "
              f"= {global_batch * cfg.train.seq_len} tokens per step; checkpointing: the cheapest mode that fits)"]
@@ -181,7 +184,7 @@ def recommend_table(cands: List[Candidate], top: int, cfg: RunConfig, global_bat
         lines.append(f"{i:>3} {k.cfg.strategy.name:<14}{k.layout.pp:>3}{k.layout.dp:>5}{k.layout.tp:>3}  "
                      f"{k.cfg.strategy.activation_checkpointing:<10}{_gb(k.memory.total_bytes):>7}{step:>8}{tps:>10}"
                      f"{mfu:>6}")
-    lines.append(f"#1: python -m launcher +cluster={cfg.cluster.name} +model={cfg.model.name} "
+    lines.append(f"#1: {launch} +cluster={cfg.cluster.name} +model={cfg.model.name} "
                  f"cluster.nodes={cfg.cluster.nodes} train.seq_len={cfg.train.seq_len} {cands[0].overrides()}")
     return lines
 
@@ -258,10 +261,26 @@ def plan_point(composer: PointComposer, overrides: List[str], opts: Dict[str, ob
     return rows, base, batch, candidates(base, batch, float(opts["mfu"])) if wanted else []
 
 
+def with_config_dirs(args: List[str]) -> Tuple[List[str], str]:
+    """``--config-dir DIR`` (as ``python -m launcher`` takes it) as Hydra's
+    ``hydra.searchpath`` override; and the launch command the #1 line prints, with the same
+    directories. ConfigError when both are given."""
+    overrides, dirs = split_args(args)
+    if not dirs:
+        return args, "python -m launcher"
+    if any(a.startswith("hydra.searchpath=") for a in overrides):
+        raise ConfigError("--config-dir with hydra.searchpath=...: give one of them (hydra.searchpath=[file://DIR,...] "
+                          "takes several directories)")
+    paths = [str(d.resolve()) for d in dirs]
+    search = f"hydra.searchpath=[{','.join('file://' + p for p in paths)}]"
+    return [*overrides, search], " ".join(["python -m launcher", *(f"--config-dir {p}" for p in paths)])
+
+
 def run(args: List[str]) -> int:
     opts, rest = parse_plan_args(args)
     multirun = any(a in ("-m", "--multirun") for a in rest)
     rest = [a for a in rest if a not in ("-m", "--multirun")]
+    rest, opts["launch"] = with_config_dirs(rest)
     check_overrides(rest, multirun)
     points = expand(rest) if multirun else [rest]
     out: List[Dict[str, object]] = []
@@ -302,7 +321,7 @@ def _plan_and_print(composer: PointComposer, i: int, point: List[str], opts: Dic
     print("\n".join(strategy_table(rows)))
     if opts["top"]:
         print()
-        print("\n".join(recommend_table(cands, int(opts["top"]), base, batch)))
+        print("\n".join(recommend_table(cands, int(opts["top"]), base, batch, str(opts["launch"]))))
     return []
 
 
