@@ -23,6 +23,15 @@ ARGS = ["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=2", "+s
         "cluster.max_requeues=0"]
 
 
+def eligible_nodes(env: dict) -> list:
+    """The debug partition's nodes this run's jobs may use (those with SBATCH_CONSTRAINT's
+    feature when the suite confines the run to a pair)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %f"], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    feature = env.get("SBATCH_CONSTRAINT")
+    return sorted({n for n, f in (line.split() for line in out.splitlines()) if not feature or feature in f.split(",")})
+
+
 def job_gone(job: str, env: dict) -> bool:
     out = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout
     return not out.strip()
@@ -66,7 +75,8 @@ def test_deepspeed_reshape_converts_in_a_cpu_job_first(tmp_path, slurm_cluster):
     """ZeRO-3 on 2 nodes fails at step 7 (checkpoint of step 4); resumed as ZeRO-2 on 1
     node, the universal conversion runs as a CPU job of its own (1 task, no GPU) and the
     training job follows it (``--dependency=afterany``), finds the conversion made and
-    completes from step 5 on."""
+    completes from step 5 on. A first resume while the nodes are taken is cancelled by
+    ``launcher.cancel``: the waiting conversion job goes with the run's job."""
     from slurm import query
 
     env = slurm_cluster
@@ -75,9 +85,30 @@ def test_deepspeed_reshape_converts_in_a_cpu_job_first(tmp_path, slurm_cluster):
     job, run_dir = submit_run(args, tmp_path, env)
     wait_until(lambda: read_run_json(run_dir).get("status") == "failed" and job_gone(job, env), 240,
                "the ZeRO-3 run to fail at step 7 and leave the queue")
-    proc = subprocess.run([sys.executable, "-m", "launcher.resume", str(run_dir), "strategy=zero2", "cluster.nodes=1",
-                           "fault.raise_at_step=0", "--wait"], cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=400)
+    resume = [sys.executable, "-m", "launcher.resume", str(run_dir), "strategy=zero2", "cluster.nodes=1",
+              "fault.raise_at_step=0"]
+    py_env = {**env, "PYTHONPATH": str(REPO)}
+    # With the nodes taken, both jobs wait; launcher.cancel cancels the conversion with the run's job.
+    nodes = eligible_nodes(env)
+    blocker = subprocess.run(["sbatch", "--parsable", "-N", str(len(nodes)), "-w", ",".join(nodes), "--exclusive",
+                              "--output=/dev/null", "--wrap", "sleep 300"], env=env, check=True, capture_output=True,
+                             text=True).stdout.strip()
+    try:
+        wait_until(lambda: subprocess.run(["squeue", "-h", "-j", blocker, "-o", "%T"], env=env, capture_output=True,
+                                          text=True).stdout.strip() == "RUNNING", 60, "the blocking job to run")
+        first = subprocess.run(resume, cwd=tmp_path, env=py_env, capture_output=True, text=True, timeout=120)
+        assert first.returncode == 0, first.stdout + first.stderr
+        pending = read_run_json(run_dir)
+        cancel = subprocess.run([sys.executable, "-m", "launcher.cancel", str(run_dir)], env=py_env,
+                                capture_output=True, text=True, timeout=60)
+        assert f"cancelled job {pending['conversion_job']} (PENDING) (checkpoint conversion)" in cancel.stdout, cancel
+        assert f"cancelled job {pending['job_id']} (PENDING)" in cancel.stdout, cancel.stdout
+        wait_until(lambda: job_gone(pending["job_id"], env) and job_gone(pending["conversion_job"], env), 60,
+                   "both jobs to leave the queue")
+    finally:
+        subprocess.run(["scancel", blocker], env=env)
+    wait_until(lambda: job_gone(blocker, env), 60, "the blocking job to leave the queue")
+    proc = subprocess.run([*resume, "--wait"], cwd=tmp_path, env=py_env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     info = read_run_json(run_dir)
     conversion = info["conversion_job"]

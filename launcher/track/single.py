@@ -74,17 +74,22 @@ def cancel_main(run_dir: Path) -> int:
               file=sys.stderr)
         return 2
     env = query.slurm_env(slurm_conf_of(info))
+    # the run's job, and the checkpoint conversion a resume submitted before it (launcher.resume)
+    name = job_name_of(run_dir)
+    conversion = str(info.get("conversion_job") or "")
+    wanted = {job: name, **({conversion: f"{name}-convert" if name else None} if is_job_id(conversion) else {})}
     try:
-        queued = query.squeue_jobs([job], env)
-        name = job_name_of(run_dir)
-        if job not in queued or (name and queued[job]["JobName"] != name):
+        queued = query.squeue_jobs(list(wanted), env)
+        ours = [j for j, jname in wanted.items() if j in queued and (not jname or queued[j]["JobName"] == jname)]
+        if not ours:
             print(f"{run_dir}: nothing to cancel (job {job} is not queued as ours: {status_of(info) or 'unknown'})")
             return 0
-        query.scancel([job], env)
+        query.scancel(ours, env)
     except query.SlurmUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"cancelled job {job} ({queued[job]['State']})")
+    for j in ours:
+        print(f"cancelled job {j} ({queued[j]['State']}){' (checkpoint conversion)' if j == conversion else ''}")
     return 0
 
 
