@@ -334,10 +334,15 @@ def _suggestions(message):
     ["+cluster=h100x8", "+model=llama3_8b", "+strategy=ddp", *LONG],
     ["+cluster=h100x8", "+model=llama3_70b", "+strategy=zero3", "cluster.nodes=2", *LONG],
     ["+cluster=h100x8", "+model=llama3_8b", "+strategy=fsdp", "train.seq_len=8192", "train.micro_batch_size=4"],
+    # nothing fits at this micro-batch on these nodes: a smaller one at the same global batch
+    ["+cluster=a100x8", "+model=llama3_70b", "+strategy=zero3", "cluster.nodes=2", "train.seq_len=4096"],
+    # nothing fits on one node at any micro-batch: more nodes
+    ["+cluster=h100x8", "+model=llama3_405b", "+strategy=fsdp", "train.seq_len=8192"],
 ])
 def test_every_suggestion_of_an_oom_refusal_is_accepted(overrides):
     """Each fix printed with the refusal, applied as it says (a +strategy=... replaces the
-    user's strategy overrides), passes the launcher's own checks."""
+    user's strategy overrides, a key it names replaces the user's), passes the launcher's
+    own checks."""
     from launcher.checks import check
 
     with pytest.raises(ConfigError) as exc:
@@ -346,12 +351,40 @@ def test_every_suggestion_of_an_oom_refusal_is_accepted(overrides):
     fixes = _suggestions(str(exc.value))
     assert fixes and all(f.strip() for f in fixes), str(exc.value)
     for fix in fixes:
-        if fix.startswith("more nodes"):
-            continue
-        words = fix.split()
-        mine = [o for o in overrides if not o.lstrip("+").startswith("strategy")] if words[0].startswith("+strategy=") \
-            else overrides
-        check(compose_run([*mine, *words, "launcher.dry_run=true"]))
+        check(compose_run([*_applied(overrides, fix.split()), "launcher.dry_run=true"]))
+
+
+def _applied(overrides, words):
+    """``overrides`` with a printed fix applied: its +strategy=... replaces the user's
+    strategy overrides, and each key it sets replaces the user's value of that key."""
+    keys = {w.lstrip("+").split("=")[0] for w in words}
+    strategy = any(w.startswith("+strategy=") for w in words)
+    mine = [o for o in overrides if o.lstrip("+").split("=")[0] not in keys
+            and not (strategy and o.lstrip("+").startswith("strategy"))]
+    return [*mine, *words]
+
+
+def test_nearest_runnable_names_the_fewest_nodes_that_run():
+    """Nothing on one node: the refusal and the planner name a node count and a layout the
+    launcher accepts, and nothing on fewer nodes fits (at any micro-batch)."""
+    from launcher.checks import check
+    from launcher.plan.costmodel import nearest_runnable
+
+    base = ["+cluster=h100x8", "+model=llama3_405b", "train.seq_len=8192"]
+    nearest = nearest_runnable(compose_run(base))
+    assert nearest is not None and nearest.cfg.cluster.nodes > 1 and nearest.memory.fits
+    for nodes in (1, nearest.cfg.cluster.nodes // 2):
+        for mb in (8, 4, 2, 1):
+            assert not candidates(compose_run([*base, f"cluster.nodes={nodes}", f"train.micro_batch_size={mb}"]))
+    text = plan_cli(base)
+    assert text.returncode == 1
+    fix = text.stderr.split("the nearest that runs: ")[1].split()
+    assert fix[0] == f"cluster.nodes={nearest.cfg.cluster.nodes}"
+    check(compose_run([*_applied(base, fix), "launcher.dry_run=true"]))
+    # nothing anywhere near: the reason says so
+    none = plan_cli(["+cluster=a100x8", "+model=llama3_405b", "cluster.gpu_mem_gb=1",
+                     "plan.format=json", "plan.recommend=true"])
+    assert none.returncode == 1 and "nothing fits up to 16x the nodes" in json.loads(none.stdout)[0]["error"]
 
 
 def test_nothing_runnable_exits_1_with_the_reason_in_text_and_json():

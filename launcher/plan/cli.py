@@ -23,7 +23,8 @@ import json
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from launcher.plan.costmodel import MFU, Candidate, StepTime, candidates, step_time
+from launcher.plan.costmodel import (MFU, NODE_FACTORS, Candidate, StepTime, candidates, change_overrides,
+                                     nearest_runnable, step_time)
 from launcher.plan.memory import GB, Memory, compute_bytes, estimate
 from launcher.compose import PointComposer, expand, standalone
 from launcher.overrides import CONF_DIR, check_overrides, group_options, split_args
@@ -167,12 +168,13 @@ def strategy_table(rows: List[Tuple[str, RunConfig, object]]) -> List[str]:
 
 
 def recommend_table(cands: List[Candidate], top: int, cfg: RunConfig, global_batch: int,
-                    launch: str = "python -m launcher") -> List[str]:
+                    launch: str = "python -m launcher", reason: str = "") -> List[str]:
+    """The ranked layouts; with none, ``reason`` (:func:`nothing_runnable`)."""
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     lines = [f"best layouts for {cfg.cluster.nodes} x {cfg.cluster.name} (global batch {global_batch} sequences "
              f"= {global_batch * cfg.train.seq_len} tokens per step; checkpointing: the cheapest mode that fits)"]
     if not cands:
-        return lines + [f"  {nothing_runnable(cfg)}"]
+        return lines + [f"  {reason or nothing_runnable(cfg, global_batch)}"]
     if cands[0].time is None:
         return lines + [f"  no ranking: cluster.peak_tflops_bf16 is null on {cfg.cluster.name}; the cost model "
                         "needs the peak (set cluster.peak_tflops_bf16=TFLOP/s)"]
@@ -189,14 +191,19 @@ def recommend_table(cands: List[Candidate], top: int, cfg: RunConfig, global_bat
     return lines
 
 
-def nothing_runnable(cfg: RunConfig) -> str:
-    """Why no layout is recommended (one line, with the fix)."""
+def nothing_runnable(cfg: RunConfig, global_batch: Optional[int] = None, mfu: float = MFU) -> str:
+    """Why no layout is recommended (one line, with the fix: the nearest change that runs)."""
     c = cfg.cluster
-    return (f"cluster.nodes={c.nodes}: no layout of {cfg.model.name} on {c.nodes} x {c.name} both fits "
-            f"{c.gpu_mem_gb:g} GB per GPU (and the host memory offload needs) and runs in this version (micro-batch {cfg.train.micro_batch_size} x "
-            f"train.seq_len={cfg.train.seq_len}); use more nodes, a shorter train.seq_len or a smaller "
-            "train.micro_batch_size" if c.gpu_mem_gb else f"no layout of {cfg.model.name} on {c.name} runs in this "
-            "version")
+    if not c.gpu_mem_gb:
+        return f"no layout of {cfg.model.name} on {c.name} runs in this version"
+    why = (f"cluster.nodes={c.nodes}: no layout of {cfg.model.name} on {c.nodes} x {c.name} both fits "
+           f"{c.gpu_mem_gb:g} GB per GPU (and the host memory offload needs) and runs in this version (micro-batch "
+           f"{cfg.train.micro_batch_size} x train.seq_len={cfg.train.seq_len})")
+    nearest = nearest_runnable(cfg, global_batch, mfu)
+    if nearest is None:
+        return (f"{why}; nothing fits up to {NODE_FACTORS[-1]}x the nodes at any micro-batch: use a shorter "
+                "train.seq_len or more nodes")
+    return f"{why}; the nearest that runs: {change_overrides(cfg, nearest)}"
 
 
 def check_fits(cfg: RunConfig, layout: Layout) -> None:
@@ -219,9 +226,11 @@ def check_fits(cfg: RunConfig, layout: Layout) -> None:
         best = candidates(cfg)
     except ConfigError:  # the cost model lacks a bandwidth: rank nothing, suggest the rest
         best = []
-    fixes.append(f"{best[0].overrides()} in place of +strategy={s.name} and its strategy.* overrides (python -m "
-                 f"launcher.plan +cluster={c.name} +model={cfg.model.name} ranks the layouts that fit)" if best
-                 else f"more nodes (cluster.nodes={c.nodes} now)")
+    nearest = best[0] if best else nearest_runnable(cfg)
+    fixes.append(f"{change_overrides(cfg, nearest)} in place of +strategy={s.name} and its strategy.* overrides "
+                 f"(python -m launcher.plan +cluster={c.name} +model={cfg.model.name} ranks the layouts that fit)"
+                 if nearest else f"more than {c.nodes * NODE_FACTORS[-1]} nodes (cluster.nodes={c.nodes} now: no "
+                 f"layout fits up to {NODE_FACTORS[-1]}x as many at any micro-batch) or a shorter train.seq_len")
     raise ConfigError(f"{_shortfall(cfg, mem)}; use {' or '.join(fixes)}, or launcher.allow_oom=true to submit "
                       "anyway")
 
@@ -303,12 +312,13 @@ def _plan_and_print(composer: PointComposer, i: int, point: List[str], opts: Dic
     rows, base, batch, cands = plan_point(composer, point, opts)
     tag = {"point": " ".join(point)} if multirun else {}
     wanted = opts["recommend"] if opts["format"] == "json" else opts["top"]
-    if wanted and not cands:
-        failed.append(nothing_runnable(base) + (f" ({' '.join(point)})" if multirun else ""))
+    reason = nothing_runnable(base, batch, float(opts["mfu"])) if wanted and not cands else ""
+    if reason:
+        failed.append(reason + (f" ({' '.join(point)})" if multirun else ""))
     if opts["format"] == "json":
         if opts["recommend"]:
             if not cands:
-                return [{"error": nothing_runnable(base)} | tag]
+                return [{"error": reason} | tag]
             return [to_json(k.cfg, k.layout, k.memory, k.time) | {"overrides": k.overrides()} | tag
                     for k in cands[:int(opts["top"])]]
         for name, _, res in rows:
@@ -321,7 +331,7 @@ def _plan_and_print(composer: PointComposer, i: int, point: List[str], opts: Dic
     print("\n".join(strategy_table(rows)))
     if opts["top"]:
         print()
-        print("\n".join(recommend_table(cands, int(opts["top"]), base, batch, str(opts["launch"]))))
+        print("\n".join(recommend_table(cands, int(opts["top"]), base, batch, str(opts["launch"]), reason)))
     return []
 
 

@@ -249,3 +249,34 @@ def _fastest_fitting(cfg: RunConfig, train, fields: dict, mfu: float) -> Optiona
             continue
         return Candidate(trial, layout, mem, step_time(trial, layout, mfu))
     return None
+
+
+NODE_FACTORS = (1, 2, 4, 8, 16)  # how far nearest_runnable looks: up to 16x the nodes
+
+
+def nearest_runnable(cfg: RunConfig, global_batch: Optional[int] = None, mfu: float = MFU) -> Optional[Candidate]:
+    """When no layout of ``cfg``'s shape fits (:func:`candidates` is empty): the nearest
+    change that runs, with its best layout. First a smaller ``train.micro_batch_size``
+    (halved down to 1) on the same nodes and at the same global batch, then more nodes
+    (doubling, up to 16x) at the largest micro-batch that fits there, the global batch kept
+    where the new world divides it. The candidate's config carries the node count (its
+    ``cluster.nodes`` may differ from ``cfg``'s). None when nothing runs up to 16x the nodes."""
+    c, t = cfg.cluster, cfg.train
+    batch = global_batch or t.micro_batch_size * t.grad_accum * c.nodes * c.gpus_per_node
+    for factor in NODE_FACTORS:
+        shaped = dataclasses.replace(cfg, cluster=dataclasses.replace(c, nodes=c.nodes * factor))
+        world = shaped.cluster.nodes * c.gpus_per_node
+        mb = t.micro_batch_size
+        while mb >= 1:
+            trial = dataclasses.replace(shaped, train=dataclasses.replace(t, micro_batch_size=mb))
+            found = candidates(trial, batch if batch % (mb * world) == 0 else None, mfu)
+            if found:
+                return found[0]
+            mb //= 2
+    return None
+
+
+def change_overrides(cfg: RunConfig, k: Candidate) -> str:
+    """The overrides that turn ``cfg`` into candidate ``k`` (its node count when it differs)."""
+    nodes = [f"cluster.nodes={k.cfg.cluster.nodes}"] if k.cfg.cluster.nodes != cfg.cluster.nodes else []
+    return " ".join([*nodes, k.overrides()])
