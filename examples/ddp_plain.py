@@ -93,6 +93,10 @@ def main() -> None:
             torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt + ".tmp")
             os.replace(ckpt + ".tmp", ckpt)
         time.sleep(args.step_delay)
+    # torch's gloo teardown: DDP's reference to the group goes first and the barrier leaves
+    # the workers idle; otherwise a rank can hang or abort at exit (train/harness/groups.py)
+    del model
+    dist.barrier()
     dist.destroy_process_group()
 
 

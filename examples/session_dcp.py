@@ -92,6 +92,10 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {mean:.4f}", flush=True)
         time.sleep(args.step_delay)
+    # torch's gloo teardown: DDP's reference to the group goes first and the barrier leaves
+    # the workers idle; otherwise a rank can hang or abort at exit (train/harness/groups.py)
+    del model
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -31,4 +31,8 @@ def train(cfg) -> None:
         session.log(step, loss=loss.item())
     if rank == 0:
         print(f"done: {steps} steps on {world} ranks, last loss {loss.item():.4f}", flush=True)
+    # torch's gloo teardown: DDP's reference to the group goes first and the barrier leaves
+    # the workers idle; otherwise a rank can hang or abort at exit (train/harness/groups.py)
+    del model
+    dist.barrier()
     dist.destroy_process_group()

@@ -187,6 +187,18 @@ def test_a_failing_script_is_failed_with_its_exit_status(tmp_path):
     assert info["status"] == "failed" and "exited with status 3" in info["error"]
 
 
+def test_a_rank_that_fails_first_fails_the_run_though_rank_0_was_stopped_for_it(tmp_path):
+    """Rank 1 exits 3 while rank 0 still works: the local supervisor stops rank 0 with
+    SIGTERM, which rank 0 takes for an interruption; the run is failed all the same, with
+    rank 1's status (the race of the test above, made certain)."""
+    script = tmp_path / "rank1_fails.py"
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n")
+    proc = launcher([f"entrypoint={script}"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    info = read_run_json(run_dir_of(proc.stdout))
+    assert info["status"] == "failed" and "rank 1 exited with status 3" in info["error"], info
+
+
 def _start(tmp_path: Path, args: list) -> tuple:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "launcher", *args, f"launcher.run_dir={run_dir}"], cwd=tmp_path,
@@ -362,3 +374,34 @@ def test_own_config_directory_in_a_sweep_and_its_errors(tmp_path, team_conf):
            f"{team_conf}/cluster/)" in unknown.stderr
     missing = launcher(["--config-dir", str(tmp_path / "nope"), "+cluster=ourcluster"], cwd=tmp_path)
     assert missing.returncode == 2 and f"--config-dir {tmp_path / 'nope'}: no such directory" in missing.stderr
+
+
+# --- torch's teardown of a destroyed group ----------------------------------------------
+
+KEEP = """
+import gc, sys
+import torch, torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from train.harness.groups import KEPT, keep_destroyed_groups
+keep_destroyed_groups()
+keep_destroyed_groups()  # once per process
+for attempt in range(2):  # a group can be made again after one was destroyed
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}.{attempt}", rank=0, world_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    model(torch.randn(2, 4)).sum().backward()
+    pg = c10d._get_default_group()
+    dist.destroy_process_group()  # the script's usual end: destroy, then its DDP model goes
+    del model
+    gc.collect()
+    assert not dist.is_initialized() and any(kept is pg for kept in KEPT), KEPT
+print("kept", len(KEPT))
+"""
+
+
+def test_groups_a_users_code_destroys_outlive_its_ddp_model(tmp_path):
+    """Under the harness a destroyed process group stays referenced until exit, so DDP's
+    Reducer never drops the last reference (its destructor joins gloo's workers with the
+    GIL held: a deadlock when a worker still needs it; train/harness/groups.py)."""
+    proc = subprocess.run([sys.executable, "-c", KEEP, str(tmp_path / "store")], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "kept 2", proc.stdout + proc.stderr

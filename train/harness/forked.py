@@ -40,9 +40,12 @@ PR_SET_PDEATHSIG = 1
 class Supervisor:
     """Rank 0's view of the children it forked (pid -> rank)."""
 
-    def __init__(self, children: Dict[int, int]) -> None:
+    def __init__(self, children: Dict[int, int], run_dir: Optional[str] = None) -> None:
         self.children = dict(children)
+        self.run_dir = run_dir
         self.failure: Optional[int] = None  # first failing child's exit status
+        self.failed_rank: Optional[int] = None  # its rank, when it failed before any signal came
+        self.signalled = False  # a signal came to rank 0 (passed on to the children)
         self.lock = threading.Lock()
         for sig in (signal.SIGUSR2, signal.SIGTERM):  # passed on, then rank 0's own handler
             previous = signal.getsignal(sig)
@@ -51,6 +54,7 @@ class Supervisor:
 
     def _forwarder(self, previous) -> Callable:
         def forward(signum, frame) -> None:
+            self.signalled = True
             self.signal_children(signum)
             if callable(previous):
                 previous(signum, frame)
@@ -78,6 +82,7 @@ class Supervisor:
                 code = os.waitstatus_to_exitcode(status)
                 if code and self.failure is None:
                     self.failure = code if code > 0 else 128 - code
+                    self.failed_rank = None if self.signalled else rank
                     print(f"rank {rank} exited with status {code}: stopping the other ranks",
                           file=sys.stderr, flush=True)
                     self.signal_children(signal.SIGTERM)
@@ -106,7 +111,19 @@ class Supervisor:
         self.signal_children(signal.SIGKILL)
         while self.children:
             self._reap(block=True)
+        self._record_failure()
         return code or self.failure or 0
+
+    def _record_failure(self) -> None:
+        """A child failed and its SIGTERM stopped rank 0 before rank 0 met a failure of its
+        own: rank 0 recorded the run ``interrupted`` (what a SIGTERM means). It failed."""
+        if self.failed_rank is None or not self.run_dir:
+            return
+        from spec.rundir import Status, update_run_json
+
+        update_run_json(self.run_dir, unless=lambda info: info.get("status") != Status.INTERRUPTED,
+                        status=Status.FAILED, ended_at=time.time(),
+                        error=f"rank {self.failed_rank} exited with status {self.failure} (the other ranks were stopped)")
 
 
 def _child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int], parent: int) -> None:
@@ -162,4 +179,4 @@ def fork_ranks(run_dir: str, entry: Callable[[], int], warm: Callable[[str], Non
         if pid == 0:
             _child(rank_env, run_dir, entry, parent)
         children[pid] = int(rank_env["RANK"])
-    return Supervisor(children)
+    return Supervisor(children, run_dir)

@@ -41,6 +41,7 @@ from spec.layout import build_layout
 from spec.rundir import CONFIG, ENTRYPOINT, SEGMENT_FAILURE, Status, read_run_json, status_of, update_run_json
 from spec.user_env import task_environment
 from train import session
+from train.harness.groups import keep_destroyed_groups
 from train.harness.outcome import after_interruption, record_failure
 from train.harness.preempt import PreemptionFlag, in_slurm_job
 from train.harness.run import rank_logger
@@ -172,6 +173,7 @@ def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:
     try:
         if flag.signum is not None:  # it came during start-up, before the hook
             on_signal(flag.signum)
+        keep_destroyed_groups()  # no deadlock in torch's teardown as the code returns
         code = _call(task.entry, cfg, run_dir)
         if code:
             raise ExitStatus(f"{task.entry['path']} exited with status {code}")
