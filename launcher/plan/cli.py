@@ -224,13 +224,15 @@ def check_fits(cfg: RunConfig, layout: Layout) -> None:
             fixes.append("strategy.activation_checkpointing=full")
     try:
         best = candidates(cfg)
+        nearest = best[0] if best else nearest_runnable(cfg)
+        searched = True
     except ConfigError:  # the cost model lacks a bandwidth: rank nothing, suggest the rest
-        best = []
-    nearest = best[0] if best else nearest_runnable(cfg)
+        nearest, searched = None, False
     fixes.append(f"{change_overrides(cfg, nearest)} in place of +strategy={s.name} and its strategy.* overrides "
                  f"(python -m launcher.plan +cluster={c.name} +model={cfg.model.name} ranks the layouts that fit)"
                  if nearest else f"more than {c.nodes * NODE_FACTORS[-1]} nodes (cluster.nodes={c.nodes} now: no "
-                 f"layout fits up to {NODE_FACTORS[-1]}x as many at any micro-batch) or a shorter train.seq_len")
+                 f"layout fits up to {NODE_FACTORS[-1]}x as many at any micro-batch) or a shorter train.seq_len"
+                 if searched else f"more nodes (cluster.nodes={c.nodes} now)")
     raise ConfigError(f"{_shortfall(cfg, mem)}; use {' or '.join(fixes)}, or launcher.allow_oom=true to submit "
                       "anyway")
 
