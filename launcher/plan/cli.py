@@ -222,10 +222,8 @@ def check_fits(cfg: RunConfig, layout: Layout) -> None:
         full = dataclasses.replace(cfg, strategy=dataclasses.replace(s, activation_checkpointing="full"))
         if estimate(full, layout).fits:
             fixes.append("strategy.activation_checkpointing=full")
-    try:
-        best = candidates(cfg)
-        nearest = best[0] if best else nearest_runnable(cfg)
-        searched = True
+    try:  # the best layout of this shape, else the nearest change that runs
+        nearest, searched = nearest_runnable(cfg), True
     except ConfigError:  # the cost model lacks a bandwidth: rank nothing, suggest the rest
         nearest, searched = None, False
     fixes.append(f"{change_overrides(cfg, nearest)} in place of +strategy={s.name} and its strategy.* overrides "
