@@ -39,6 +39,13 @@ class ClusterConfig:
     nvlink_domain: int = 0
     # "cpu" (gloo, no --gpus-per-node) or "gpu" (nccl, --gpus-per-node=gpus_per_node).
     accelerator: str = "cpu"
+    # How a node's GPUs are shown to its tasks (accelerator gpu only):
+    #   "node": every task sees all the node's GPUs and takes cuda:LOCAL_RANK (sbatch
+    #           --gpus-per-node; the default of most sites);
+    #   "task": each task sees only its own GPU and takes cuda:0 (--gpus-per-task=1,
+    #           --gpu-bind=single:1, or a site that binds per task by default).
+    # The task harness checks what it finds against this and refuses a mismatch at start.
+    gpu_binding: str = "node"
     cpus_per_task: int = 1
     # Memory per node in GB for sbatch --mem; null leaves Slurm's default.
     mem_gb: Optional[int] = None

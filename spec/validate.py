@@ -14,6 +14,7 @@ from spec.config import ConfigError, RunConfig
 _CHOICES = {
     "cluster.backend": ("local", "slurm"),
     "cluster.accelerator": ("cpu", "gpu"),
+    "cluster.gpu_binding": ("node", "task"),
     "strategy.engine": ("torch", "deepspeed"),
     "strategy.data_parallel": ("ddp", "fsdp", "none"),
     "strategy.mixed_precision": ("auto", "fp32", "bf16"),
