@@ -1,5 +1,5 @@
-"""Bad-node handling without a cluster: hardware-fault patterns, nvidia-smi parsing, the
-GPU health check, per-node facts, and the automatic requeue's decisions and Slurm calls
+"""Bad-node handling without a cluster: hardware-fault patterns, unhealthy GPUs among the
+preflight's outliers (nvidia-smi parsing: tests/test_health.py), per-node facts, and the automatic requeue's decisions and Slurm calls
 (Slurm faked at slurm.query). The end-to-end test with a killed node is in
 tests/test_node_failure.py."""
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import stat
 
 import pytest
 
@@ -17,25 +16,7 @@ from train.harness import badnodes, health
 from train.harness.outcome import outranks, record_failure
 from train.harness.preflight import add_unhealthy
 
-# `nvidia-smi --query-gpu=<health.GPU_FIELDS> --format=csv,noheader,nounits` as an H100
-# node prints it (H100 retires no pages: it remaps rows, so those cells are [N/A]); GPU 1
-# has uncorrected ECC errors.
-SMI_H100 = """\
-0, NVIDIA H100 80GB HBM3, 00000000:18:00.0, 550.54.15, 81559, Enabled, 0, 0, [N/A], [N/A], 31
-1, NVIDIA H100 80GB HBM3, 00000000:2A:00.0, 550.54.15, 81559, Enabled, 12, 2, [N/A], [N/A], 33
-"""
-REMAP_H100 = """\
-00000000:18:00.0, No, No
-00000000:2A:00.0, Yes, No
-"""
-# An older GPU with page retirement and ECC off; nvidia-smi's error for an unknown field.
-SMI_V100 = "0, Tesla V100-SXM2-16GB, 00000000:06:00.0, 470.82.01, 16160, Disabled, [N/A], [N/A], 0, No, 40\n"
-SMI_BAD_FIELD = 'Field "remapped_rows.pending" is not a valid field to query.\n'
-DMESG = """\
-[  12.1] nvidia-nvlink: Nvlink Core is being initialized
-[8812.3] NVRM: Xid (PCI:0000:2a:00): 13, pid=1234, name=python, Graphics Exception: ESR 0x50
-[9001.0] NVRM: Xid (PCI:0000:2a:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.
-"""
+# nvidia-smi's outputs and the kernel log's Xids in every form they take: tests/test_health.py.
 
 
 @pytest.mark.parametrize("text,kind,local", [
@@ -69,37 +50,6 @@ def test_hardware_fault_names_the_fault_and_whose_it_is(text, kind, local):
 ], ids=["gloo_peer_closed", "raise_at_step", "cuda_oom", "empty"])
 def test_no_hardware_fault_in_ordinary_errors(text):
     assert health.hardware_fault(text) is None
-
-
-def test_gpu_query_parsing_and_health_reasons():
-    gpus = health.parse_gpu_query(SMI_H100 + SMI_BAD_FIELD, health.GPU_FIELDS)
-    assert [g["index"] for g in gpus] == [0, 1]  # the error line is not a row
-    assert gpus[0]["name"] == "NVIDIA H100 80GB HBM3" and gpus[0]["memory.total"] == 81559
-    assert gpus[0]["ecc.mode.current"] is True and gpus[1]["ecc.errors.uncorrected.volatile.total"] == 2
-    assert gpus[0]["retired_pages.pending"] is None
-    assert health.unhealthy_reasons(gpus[:1]) == []
-    remap = health.parse_gpu_query(REMAP_H100, health.REMAP_FIELDS)
-    gpus[1].update(remap[1])
-    xids = health.parse_xids(DMESG)
-    assert xids == {"0000:2a:00": [13, 79]}
-    assert health.unhealthy_reasons(gpus, xids) == [
-        "GPU 1: 2 uncorrected ECC errors", "GPU 1: row remapping pending (needs a reset)",
-        "PCI 0000:2a:00: Xid 79 in the kernel log"]  # Xid 13 (a program's fault) is not held against it
-    old = health.parse_gpu_query(SMI_V100, health.GPU_FIELDS)
-    assert old[0]["ecc.errors.uncorrected.volatile.total"] is None and old[0]["retired_pages.pending"] is False
-    assert health.unhealthy_reasons(old) == []
-
-
-def test_gpu_health_skips_without_nvidia_smi_and_reads_a_fake_one(tmp_path, monkeypatch):
-    assert health.gpu_health("no-such-nvidia-smi") == {"skipped": "no nvidia-smi on this node"}
-    smi = tmp_path / "nvidia-smi"  # answers like the real one: the remap query, else the GPU query
-    smi.write_text(f"#!/bin/sh\ncase \"$1\" in --query-remapped-rows*) printf '{REMAP_H100}';;\n"
-                   f"*) printf '{SMI_H100}';; esac\n")
-    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setattr(health, "kernel_xids", lambda: None)  # dmesg: unreadable here
-    report = health.gpu_health(str(smi))
-    assert report["xids"] is None and len(report["gpus"]) == 2
-    assert report["unhealthy"] == ["GPU 1: 2 uncorrected ECC errors", "GPU 1: row remapping pending (needs a reset)"]
 
 
 def test_unhealthy_nodes_join_the_preflight_outliers():

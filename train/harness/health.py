@@ -9,8 +9,14 @@ Two pure parts, tested on captured text, and the thin calls that feed them:
   ``failure: hardware_fault`` with this node as suspect, so the requeued job avoids it
   (:mod:`train.harness.badnodes`).
 - :func:`parse_gpu_query` / :func:`unhealthy_reasons` read ``nvidia-smi
-  --query-gpu=...`` (ECC counts since the driver loaded, retired pages, remapped rows)
-  and :func:`parse_xids` the kernel log's ``NVRM: Xid`` lines. :func:`gpu_health` runs
+  --query-gpu=...`` and ``--query-remapped-rows=...`` (ECC counts since the driver
+  loaded, retired pages, remapped rows; with or without ``--format=csv``'s header and
+  units), :func:`parse_remap_q` the same flags from ``nvidia-smi -q -d ROW_REMAPPER``
+  (drivers without the CSV query), and :func:`parse_xids` the kernel log's ``NVRM: Xid``
+  lines. The same flag prints differently by form: ``--query-remapped-rows`` in CSV
+  prints ``0``/``1`` (NVML's ``bPending`` / ``bFailureOccurred``), ``-q`` and
+  ``--query-gpu``'s ``retired_pages.pending`` print ``Yes``/``No``: :func:`flag` reads
+  both. Samples of each form, with their sources: tests/fixtures/nvidia_smi/. :func:`gpu_health` runs
   them on this node when ``nvidia-smi`` exists and says ``skipped`` (with why) otherwise:
   a CPU node is not unhealthy.
 """
@@ -41,12 +47,20 @@ GPU_FIELDS = ("index", "name", "pci.bus_id", "driver_version", "memory.total", "
               "retired_pages.double_bit.count", "retired_pages.pending", "temperature.gpu")
 BASIC_FIELDS = ("index", "name", "pci.bus_id", "driver_version", "memory.total")
 REMAP_FIELDS = ("gpu_bus_id", "remapped_rows.pending", "remapped_rows.failure")
+# Clock slowdowns the hardware imposes (reported, not held against the node: they come
+# and go with temperature and power). r525 renamed clocks_throttle_reasons.* to
+# clocks_event_reasons.*; older drivers know only the first spelling.
+THROTTLE_NAMES = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown")
+THROTTLE_PREFIXES = ("clocks_event_reasons.", "clocks_throttle_reasons.")
 # Xids that mean the GPU needs a reset or a replacement (NVIDIA's Xid catalogue): 48 DBE,
 # 63/64 row remapping, 74 NVLink, 79 fallen off the bus, 92 high SBE rate, 94/95 ECC
 # contained/uncontained, 119/120 GSP.
 CRITICAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120})
 _XID_LINE = re.compile(r"NVRM: Xid \((?:PCI:)?([0-9A-Fa-f:.]+)\): (\d+)")
-_NOT_A_VALUE = {"", "n/a", "[n/a]", "[not supported]", "not supported", "[unknown error]", "[insufficient permissions]"}
+_NOT_A_VALUE = {"", "n/a", "[n/a]", "[not supported]", "not supported", "[unknown error]", "[insufficient permissions]",
+                "[gpu is lost]", "[gpu requires reset]"}
+# A cell of --format=csv without nounits: "81559 MiB", "31 C", "45.12 W", "100 %".
+_WITH_UNIT = re.compile(r"^(-?\d+(?:\.\d+)?) ?(?:[KMGT]i?B|%|W|MHz|C|mV|KB/s)$")
 
 
 def hardware_fault(text: str) -> Optional[Dict[str, Any]]:
@@ -73,6 +87,8 @@ def _value(text: str) -> Any:
         return True
     if low in ("no", "disabled", "not active"):
         return False
+    unit = _WITH_UNIT.match(text)
+    text = unit.group(1) if unit else text
     for cast in (int, float):
         try:
             return cast(text)
@@ -81,15 +97,61 @@ def _value(text: str) -> Any:
     return text
 
 
+def flag(value: Any) -> bool:
+    """A yes/no cell as either form prints it: True, or a count/flag of 1 or more
+    (``--query-remapped-rows`` prints 0/1); False for No/0 and for no value."""
+    return value is True or (type(value) is int and value > 0)
+
+
 def parse_gpu_query(out: str, fields: Sequence[str]) -> List[Dict[str, Any]]:
-    """``nvidia-smi --query-gpu=FIELDS --format=csv,noheader,nounits`` -> one dict per GPU. Pure.
-    Rows with another number of cells than fields (an error text) are dropped."""
+    """``nvidia-smi --query-gpu=FIELDS --format=csv[,noheader][,nounits]`` (or
+    ``--query-remapped-rows``) -> one dict per GPU. Pure. The header line of
+    ``--format=csv`` is skipped and units are dropped ("81559 MiB" -> 81559); rows with
+    another number of cells than fields (an error text) are dropped."""
     rows = []
     for line in out.splitlines():
         cells = [c for c in line.split(",")]
-        if len(cells) == len(fields) and line.strip():
-            rows.append({f: _value(c) for f, c in zip(fields, cells)})
+        if len(cells) != len(fields) or not line.strip():
+            continue
+        if cells[0].strip().split(" [")[0] == fields[0]:  # the header: "memory.total [MiB]"
+            continue
+        rows.append({f: _value(c) for f, c in zip(fields, cells)})
     return rows
+
+
+_Q_GPU = re.compile(r"^GPU ([0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f]+)\s*$")
+_Q_REMAP = {"pending": "remapped_rows.pending", "remapping failure occurred": "remapped_rows.failure"}
+
+
+def parse_remap_q(out: str) -> List[Dict[str, Any]]:
+    """The ``Remapped Rows`` section of ``nvidia-smi -q [-d ROW_REMAPPER]`` -> rows shaped
+    like ``--query-remapped-rows=gpu_bus_id,remapped_rows.pending,remapped_rows.failure``
+    (Yes/No -> True/False; N/A -> None). Pure."""
+    rows: List[Dict[str, Any]] = []
+    section = False
+    for line in out.splitlines():
+        gpu = _Q_GPU.match(line.strip())
+        if gpu:
+            rows.append({"gpu_bus_id": gpu.group(1)})
+            section = False
+            continue
+        indent = len(line) - len(line.lstrip())
+        key, _, value = line.strip().partition(":")
+        if rows and indent == 4:  # a top-level section of this GPU
+            section = key.strip() == "Remapped Rows"
+        elif rows and section and key.strip().lower() in _Q_REMAP:
+            rows[-1][_Q_REMAP[key.strip().lower()]] = _value(value)
+    return [r for r in rows if len(r) > 1]
+
+
+def _pci(text: Any) -> Optional[tuple]:
+    """(domain, bus, device) of a PCI address as nvidia-smi ("00000000:2A:00.0") or the
+    kernel log ("0000:2a:00") writes it."""
+    parts = str(text).lower().removeprefix("pci:").split(".")[0].split(":")
+    try:
+        return tuple(int(p, 16) for p in parts[-3:]) if len(parts) >= 3 else None
+    except ValueError:
+        return None
 
 
 def parse_xids(dmesg: str) -> Dict[str, List[int]]:
@@ -109,19 +171,34 @@ def unhealthy_reasons(gpus: List[Dict[str, Any]], xids: Optional[Dict[str, List[
     reasons = []
     for g in gpus:
         name = f"GPU {g.get('index')}"
-        if (g.get("ecc.errors.uncorrected.volatile.total") or 0) > 0:
-            reasons.append(f"{name}: {g['ecc.errors.uncorrected.volatile.total']} uncorrected ECC errors")
-        if g.get("retired_pages.pending") is True:
+        uncorrected = g.get("ecc.errors.uncorrected.volatile.total")
+        if type(uncorrected) is int and uncorrected > 0:
+            reasons.append(f"{name}: {uncorrected} uncorrected ECC errors")
+        if flag(g.get("retired_pages.pending")):
             reasons.append(f"{name}: retired pages pending (needs a reset)")
-        if g.get("remapped_rows.failure") is True:
+        if flag(g.get("remapped_rows.failure")):
             reasons.append(f"{name}: row remapping failed")
-        if g.get("remapped_rows.pending") is True:
+        if flag(g.get("remapped_rows.pending")):
             reasons.append(f"{name}: row remapping pending (needs a reset)")
+    index = {_pci(g.get("pci.bus_id")): g.get("index") for g in gpus}
     for bus, codes in sorted((xids or {}).items()):
         critical = sorted({c for c in codes if c in CRITICAL_XIDS})
         if critical:
-            reasons.append(f"PCI {bus}: Xid {', '.join(map(str, critical))} in the kernel log")
+            gpu = index.get(_pci(bus))
+            where = f"GPU {gpu} (PCI {bus})" if gpu is not None else f"PCI {bus}"
+            reasons.append(f"{where}: Xid {', '.join(map(str, critical))} in the kernel log")
     return reasons
+
+
+def throttled(gpus: List[Dict[str, Any]]) -> List[str]:
+    """The hardware clock slowdowns active now, one line per GPU (empty: none). Pure."""
+    out = []
+    for g in gpus:
+        active = [name for name in THROTTLE_NAMES
+                  if any(flag(g.get(prefix + name)) for prefix in THROTTLE_PREFIXES)]
+        if active:
+            out.append(f"GPU {g.get('index')}: {', '.join(active)}")
+    return out
 
 
 def _run(cmd: List[str], timeout: float = 20) -> Optional[str]:
@@ -148,11 +225,25 @@ def query_gpus(smi: str = "nvidia-smi") -> Optional[List[Dict[str, Any]]]:
         return None
     remap = parse_gpu_query(_run([smi, f"--query-remapped-rows={','.join(REMAP_FIELDS)}",
                                   "--format=csv,noheader,nounits"]) or "", REMAP_FIELDS)
-    by_bus = {str(r["gpu_bus_id"]).lower(): r for r in remap}
-    for g in rows:
-        r = by_bus.get(str(g.get("pci.bus_id")).lower(), {})
-        g.update({k: r[k] for k in REMAP_FIELDS[1:] if k in r})
+    if not remap:  # a driver without the CSV query (or it failed): the -q form has the flags
+        remap = parse_remap_q(_run([smi, "-q", "-d", "ROW_REMAPPER"]) or "")
+    _join(rows, remap, REMAP_FIELDS[1:])
+    for prefix in THROTTLE_PREFIXES:
+        fields = ("pci.bus_id", *(prefix + name for name in THROTTLE_NAMES))
+        clocks = parse_gpu_query(_run([smi, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"])
+                                 or "", fields)
+        if clocks:
+            _join(rows, [dict(c, gpu_bus_id=c["pci.bus_id"]) for c in clocks], fields[1:])
+            break
     return rows
+
+
+def _join(gpus: List[Dict[str, Any]], rows: List[Dict[str, Any]], fields: Sequence[str]) -> None:
+    """Add ``fields`` of ``rows`` (keyed by gpu_bus_id) to the GPUs with the same PCI address."""
+    by_bus = {_pci(r.get("gpu_bus_id")): r for r in rows}
+    for g in gpus:
+        r = by_bus.get(_pci(g.get("pci.bus_id")), {})
+        g.update({k: r[k] for k in fields if k in r})
 
 
 def kernel_xids() -> Optional[Dict[str, List[int]]]:
@@ -170,7 +261,7 @@ def gpu_health(smi: str = "nvidia-smi") -> Dict[str, Any]:
         why = "no nvidia-smi on this node" if shutil.which(smi) is None else "nvidia-smi answered nothing"
         return {"skipped": why}
     xids = kernel_xids()
-    return {"gpus": gpus, "xids": xids, "unhealthy": unhealthy_reasons(gpus, xids)}
+    return {"gpus": gpus, "xids": xids, "unhealthy": unhealthy_reasons(gpus, xids), "throttled": throttled(gpus)}
 
 
 # Where this task's stderr goes under submitit (RUN_DIR/slurm/<job>_<task>_log.err), and
