@@ -1,0 +1,273 @@
+"""`make gpu-check`: the CUDA paths, each run for real on the GPU(s) of this machine.
+
+    python bench/gpu_check.py [--out DIR] [--only NAME ...] [--budget-s 270]
+    python bench/gpu_check.py --dry        # CPU/CI: build every row's command and check it
+
+Every row is one command (a launch of the toolkit, or a short Python check) with its
+verdict; each row's result is written as soon as it ends (``DIR/gpu_check.jsonl``, one
+line a row, and ``DIR/gpu_check.md``, the table so far), so a run stopped by its time
+slot still leaves what it did. Rows (one GPU is enough):
+
+- ``engine/S``: every engine at world 1 on NCCL and bf16 (ddp, fsdp, zero1, zero2, zero3,
+  zero3_offload; tp and pp at degree 1): the run completes, run.json says backend nccl,
+  the loss falls;
+- ``binding/node``, ``binding/task``: a task with LOCAL_RANK 3 that sees one GPU
+  (CUDA_VISIBLE_DEVICES of one device): binding ``task`` takes cuda:0 and trains under
+  ZeRO-2 (DeepSpeed sets its device from LOCAL_RANK unless told); binding ``node`` is
+  refused at start in one line;
+- ``resume/S`` (fsdp, zero2): a run that fails after its step-3 checkpoint resumes on
+  CUDA and ends with the uninterrupted run's losses (bf16 on GPU: within 2%);
+- ``hf/zero3``: a Hugging Face Llama written by transformers here, imported under ZeRO-3;
+- ``accelerate/S`` (zero2, fsdp): examples/accelerate_train.py gets the engine of the
+  strategy from Accelerate (DeepSpeed, FSDP);
+- ``health``: this machine's nvidia-smi outputs through train/harness/health.py;
+- ``doctor``: ``python -m launcher.doctor`` on this machine.
+
+With ``--dry`` no row runs: each launch row's command is checked by the launcher's own
+dry run (compose, layout, memory gate) and each check row's code is compiled, so the
+rows cannot rot on machines without a GPU (tests/test_gpu_check.py runs it in CI).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+GPU = ["+cluster=local", "cluster.accelerator=gpu", "cluster.gpus_per_node=1"]
+SHORT = ["train.seq_len=128", "data.num_tokens=200000", "train.log_every=1", "train.preflight=false"]
+ENGINES = {"ddp": [], "fsdp": [], "zero1": [], "zero2": [], "zero3": [], "zero3_offload": [],
+           "tp": ["strategy.tensor_parallel=1"], "pp": ["strategy.pipeline_parallel=1"]}
+RESUMED = ("fsdp", "zero2")
+RESUME_RTOL = 0.02   # bf16 on GPU, reductions in another order after a restart
+
+
+@dataclass
+class Row:
+    """One line of the table: a command, where it runs, and how its outcome is judged."""
+
+    name: str
+    argv: List[str]
+    check: Callable[["Row", subprocess.CompletedProcess], str]  # "" = pass, else why not
+    env: Dict[str, str] = field(default_factory=dict)
+    launch: bool = True          # a launcher command (its --dry check is the launcher's dry run)
+    before: Optional["Row"] = None  # runs first (its failure fails this row)
+    timeout_s: float = 180.0
+    run_dir: Optional[Path] = None
+
+
+def launcher_argv(*args: str) -> List[str]:
+    return [sys.executable, "-m", "launcher", *args]
+
+
+def _run_json(run_dir: Path) -> dict:
+    path = run_dir / "run.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _losses(run_dir: Path) -> Dict[int, float]:
+    from spec.rundir import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r.get("loss") is not None}
+
+
+def trained(row: Row, proc: subprocess.CompletedProcess) -> str:
+    """A completed run on NCCL whose loss fell."""
+    if proc.returncode != 0:
+        return f"exit {proc.returncode}"
+    info, losses = _run_json(row.run_dir), _losses(row.run_dir)
+    if info.get("backend") != "nccl":
+        return f"backend {info.get('backend')!r} in run.json, not nccl"
+    if len(losses) < 2:
+        return f"{len(losses)} losses in metrics.jsonl"
+    first, last = losses[min(losses)], losses[max(losses)]
+    return "" if last < first else f"loss did not fall: {first:.4f} -> {last:.4f}"
+
+
+def resumed_like(reference: Path) -> Callable[[Row, subprocess.CompletedProcess], str]:
+    def check(row: Row, proc: subprocess.CompletedProcess) -> str:
+        why = trained(row, proc)
+        if why:
+            return why
+        log = (row.run_dir / "logs" / "rank0.log").read_text(errors="replace")
+        if "resumed from step 3" not in log:
+            return "no 'resumed from step 3' in rank0.log"
+        ours, ref = _losses(row.run_dir), _losses(reference)
+        worst = max(abs(ours[s] - ref[s]) / abs(ref[s]) for s in ref if s > 3) if ref else 1.0
+        return "" if set(ours) == set(ref) and worst <= RESUME_RTOL else \
+            f"steps {sorted(ours)} vs {sorted(ref)}, worst relative difference {worst:.3g}"
+    return check
+
+
+def failed_run(row: Row, proc: subprocess.CompletedProcess) -> str:
+    """The injected failure ended the run (after its step-3 checkpoint)."""
+    status = _run_json(row.run_dir).get("status")
+    return "" if proc.returncode != 0 and status == "failed" else f"exit {proc.returncode}, status {status!r}"
+
+
+def exited_ok(row: Row, proc: subprocess.CompletedProcess) -> str:
+    return "" if proc.returncode == 0 else f"exit {proc.returncode}"
+
+
+def rows(scratch: Path) -> List[Row]:
+    """Every row, in the order they run (cheapest first where the order does not matter)."""
+    out: List[Row] = []
+    for name in ("health",):
+        out.append(Row(name, [sys.executable, str(REPO / "bench/gpu_check_rows.py"), name], exited_ok, launch=False))
+    for strategy, extra in ENGINES.items():
+        run_dir = scratch / f"engine_{strategy}"
+        steps = ["train.steps=6", "checkpoint.every_steps=3"] if strategy in RESUMED else ["train.steps=6"]
+        out.append(Row(f"engine/{strategy}", launcher_argv(*GPU, f"+strategy={strategy}", *extra, *SHORT, *steps,
+                                                           f"launcher.run_dir={run_dir}"), trained, run_dir=run_dir))
+    for strategy in RESUMED:
+        run_dir, reference = scratch / f"resume_{strategy}", scratch / f"engine_{strategy}"
+        args = [*GPU, f"+strategy={strategy}", *SHORT, "train.steps=6", "checkpoint.every_steps=3",
+                f"launcher.run_dir={run_dir}"]
+        crash = Row(f"resume/{strategy}:crash", launcher_argv(*args, "fault.raise_at_step=5"),
+                    failed_run, run_dir=run_dir)
+        out.append(Row(f"resume/{strategy}", launcher_argv(*args), resumed_like(reference), before=crash,
+                       run_dir=run_dir))
+    for binding in ("task", "node"):  # the row script judges (bench/gpu_check_binding.py)
+        argv = [sys.executable, str(REPO / "bench/gpu_check_rows.py"), f"binding_{binding}", str(scratch)]
+        out.append(Row(f"binding/{binding}", argv, exited_ok, launch=False,
+                       env={"CUDA_VISIBLE_DEVICES": os.environ.get("STO_GPU_CHECK_DEVICE", "0")}))
+    hf_dir, run_dir = scratch / "hf_llama", scratch / "hf_zero3"
+    make_hf = Row("hf/zero3:write", [sys.executable, str(REPO / "bench/gpu_check_rows.py"), "write_hf", str(hf_dir)],
+                  exited_ok, launch=False)
+    out.append(Row("hf/zero3", launcher_argv(*GPU, "+strategy=zero3", f"model.hf_path={hf_dir}", *SHORT,
+                                             "train.steps=4", f"launcher.run_dir={run_dir}"), trained,
+                   before=make_hf, run_dir=run_dir))
+    for strategy, engine in (("zero2", "DistributedType.DEEPSPEED"), ("fsdp", "DistributedType.FSDP")):
+        run_dir = scratch / f"accelerate_{strategy}"
+        out.append(Row(f"accelerate/{strategy}", launcher_argv(
+            *GPU, f"entrypoint={REPO / 'examples/accelerate_train.py'}", f"+strategy={strategy}",
+            "entrypoint_args=[--steps,3]", f"launcher.run_dir={run_dir}"), accelerate_engine(engine), run_dir=run_dir))
+    out.append(Row("doctor", [sys.executable, "-m", "launcher.doctor", *GPU, f"launcher.run_dir={scratch / 'doctor'}"],
+                   exited_ok, run_dir=scratch / "doctor"))
+    return out
+
+
+def accelerate_engine(engine: str) -> Callable[[Row, subprocess.CompletedProcess], str]:
+    def check(row: Row, proc: subprocess.CompletedProcess) -> str:
+        if proc.returncode != 0:
+            return f"exit {proc.returncode}"
+        seen = json.loads((row.run_dir / "accelerate_rank0.json").read_text())
+        return "" if seen["distributed_type"] == engine else f"Accelerate built {seen['distributed_type']}"
+    return check
+
+
+class Table:
+    """The rows' results so far, written after every row (a stopped run keeps them)."""
+
+    def __init__(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.jsonl, self.md, self.results = out / "gpu_check.jsonl", out / "gpu_check.md", []
+        self.jsonl.write_text("")
+
+    def add(self, name: str, result: str, seconds: float, detail: str = "", tail: str = "") -> None:
+        entry = {"row": name, "result": result, "s": round(seconds, 1), "detail": detail}
+        if tail:
+            entry["output_tail"] = tail
+        self.results.append(entry)
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        lines = ["| row | result | s | detail |", "|---|---|---|---|"]
+        lines += [f"| {r['row']} | {r['result']} | {r['s']:.1f} | {r['detail'][:160]} |" for r in self.results]
+        self.md.write_text("\n".join(lines) + "\n")
+        print(f"{name:24s} {result:5s} {seconds:6.1f} s  {detail}", flush=True)
+
+
+def execute(row: Row, deadline: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           **row.env}
+    timeout = max(1.0, min(row.timeout_s, deadline - time.time()))
+    try:
+        return subprocess.run(row.argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return subprocess.CompletedProcess(row.argv, 124, out, f"timed out after {timeout:.0f} s")
+
+
+def judge(row: Row, proc: subprocess.CompletedProcess) -> str:
+    try:
+        return row.check(row, proc)
+    except Exception as exc:  # noqa: BLE001 - a check that cannot read its files is a failed row
+        return f"check failed: {type(exc).__name__}: {exc}"
+
+
+def run_rows(selected: List[Row], table: Table, budget_s: float) -> int:
+    deadline, failed = time.time() + budget_s, 0
+    for row in selected:
+        if time.time() >= deadline:
+            table.add(row.name, "skip", 0.0, f"not started: the {budget_s:.0f} s budget is spent")
+            failed += 1
+            continue
+        start, why = time.time(), ""
+        proc = None
+        for step in filter(None, [row.before, row]):
+            proc = execute(step, deadline)
+            why = judge(step, proc)
+            if why:
+                why = f"{step.name}: {why}" if step is not row else why
+                break
+        tail = (proc.stdout + proc.stderr)[-1500:] if why and proc is not None else ""
+        table.add(row.name, "FAIL" if why else "pass", time.time() - start, why, tail)
+        failed += bool(why)
+    return failed
+
+
+def dry_run(selected: List[Row], table: Table) -> int:
+    """Check every row without a GPU: launcher commands through the launcher's dry run,
+    check rows through their own ``--dry`` (gpu_check_rows.py)."""
+    failed = 0
+    for row in selected:
+        for step in filter(None, [row.before, row]):
+            start = time.time()
+            argv = step.argv + (["launcher.dry_run=true"] if step.launch else ["--dry"])
+            proc = execute(Row(step.name, argv, exited_ok, env=step.env, timeout_s=120), time.time() + 120)
+            why = "" if proc.returncode == 0 else f"exit {proc.returncode}: " + (proc.stdout + proc.stderr)[-600:]
+            table.add(step.name, "FAIL" if why else "dry", time.time() - start, why)
+            failed += bool(why)
+    return failed
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT", str(REPO / "runs" / "gpu-check")))
+    parser.add_argument("--only", nargs="*", default=None, help="row names or prefixes (engine, resume/fsdp, ...)")
+    parser.add_argument("--budget-s", type=float, default=270.0, help="rows not started by then are skipped")
+    parser.add_argument("--dry", action="store_true", help="build and check every command, run none (no GPU)")
+    parser.add_argument("--scratch", default=None, help="where runs go (default: a new temporary directory)")
+    args = parser.parse_args(argv)
+    scratch = Path(args.scratch or tempfile.mkdtemp(prefix="sto-gpu-check-"))
+    selected = [r for r in rows(scratch) if not args.only or any(r.name.startswith(p) for p in args.only)]
+    if not selected:
+        print(f"--only {' '.join(args.only)}: no such row; rows: {', '.join(r.name for r in rows(scratch))}")
+        return 2
+    table = Table(Path(args.out))
+    if args.dry:
+        failed = dry_run(selected, table)
+    else:
+        import torch  # the rows need a GPU: say so at once rather than row by row
+
+        if not torch.cuda.is_available():
+            print(f"no CUDA here (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
+                  "run `make gpu-check` on a GPU machine, or `bench/gpu_check.py --dry` to check the rows")
+            return 2
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, scratch {scratch}", flush=True)
+        failed = run_rows(selected, table, args.budget_s)
+    print(f"gpu-check: {len(table.results) - failed} passed, {failed} failed; table in {table.md}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

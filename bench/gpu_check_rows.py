@@ -1,0 +1,87 @@
+"""The check rows of bench/gpu_check.py that are not a launch of the toolkit.
+
+    python bench/gpu_check_rows.py ROW [ARG] [--dry]
+
+- ``health``: this machine's nvidia-smi, as the preflight reads it (train/harness/health.py):
+  every GPU's health fields parsed (a number, a flag or "not supported", never a raw
+  string), no fault reported on a healthy machine. Prints what nvidia-smi printed.
+- ``write_hf DIR``: a small Hugging Face Llama written by transformers (weights generated
+  here, never downloaded), for the ``hf/zero3`` row (also under ``--dry``: the launcher's
+  dry run of that row reads its config.json and safetensors headers).
+- ``binding_task SCRATCH`` / ``binding_node SCRATCH``: one task with LOCAL_RANK 3 of 4 on
+  a node whose tasks each see one GPU (the caller sets CUDA_VISIBLE_DEVICES to one
+  device). Under ``cluster.gpu_binding=task`` the harness takes cuda:0 and a ZeRO-2 step
+  runs there (DeepSpeed takes LOCAL_RANK's device unless told); under ``node`` the task
+  is refused at start in one line.
+
+``--dry`` checks what can be checked without a GPU (a node without nvidia-smi is skipped,
+the binding decision, the run directories the launcher's dry run prepares).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def health(dry: bool) -> int:
+    from train.harness import health as h
+
+    if dry:  # without nvidia-smi a node is skipped, not unhealthy (the parser's own tests:
+        # tests/test_health.py, on NVIDIA's documented formats)
+        return 0 if "skipped" in h.gpu_health(smi="nvidia-smi-not-here") else 1
+    for args in (["-L"], [f"--query-gpu={','.join(h.GPU_FIELDS)}", "--format=csv,noheader,nounits"],
+                 [f"--query-remapped-rows={','.join(h.REMAP_FIELDS)}", "--format=csv,noheader,nounits"]):
+        proc = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True)
+        print(f"$ nvidia-smi {' '.join(args)}  (exit {proc.returncode})\n{proc.stdout}{proc.stderr}")
+    report = h.gpu_health()
+    print(json.dumps(report, indent=1, default=str))
+    if "skipped" in report:
+        return 1
+    raw = [f"GPU {g.get('index')}: {k}={v!r}" for g in report["gpus"] for k, v in g.items()
+           if k.startswith(("ecc.", "retired_pages.", "remapped_rows.")) and isinstance(v, str)]
+    if raw:
+        print("fields left unparsed: " + "; ".join(raw))
+    if report["unhealthy"]:
+        print("unhealthy: " + "; ".join(report["unhealthy"]))
+    return 1 if raw or report["unhealthy"] else 0
+
+
+def write_hf(path: str) -> int:
+    import torch  # a few MB on CPU in a second: written in --dry too, for the launcher's check
+    import transformers
+
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+                                   max_position_embeddings=512)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    print(f"wrote {path}: {sorted(p.name for p in Path(path).iterdir())}")
+    return 0
+
+
+def main(argv: list) -> int:
+    dry = "--dry" in argv
+    args = [a for a in argv if a != "--dry"]
+    name = args[0]
+    if name == "health":
+        return health(dry)
+    if name == "write_hf":
+        return write_hf(args[1])
+    if name in ("binding_task", "binding_node"):
+        from bench.gpu_check_binding import binding_row
+
+        return binding_row(name.split("_")[1], Path(args[1]), dry)
+    print(f"unknown row {name!r}: health, write_hf DIR, binding_task SCRATCH, binding_node SCRATCH")
+    return 2
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,39 @@
+"""`make gpu-check` cannot rot on machines without a GPU: its dry mode builds every row's
+command and checks it (the launcher's own dry run: compose, layout, memory gate; the
+check rows' CPU-checkable parts), and the real mode refuses at once without CUDA."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+ROWS = {"health", "binding/task", "binding/node", "hf/zero3", "hf/zero3:write", "accelerate/zero2",
+        "accelerate/fsdp", "doctor", "resume/fsdp", "resume/fsdp:crash", "resume/zero2", "resume/zero2:crash",
+        *(f"engine/{s}" for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "pp"))}
+
+
+def _gpu_check(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "bench/gpu_check.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_dry_mode_checks_every_row(tmp_path):
+    proc = _gpu_check("--dry", "--out", str(tmp_path / "out"), "--scratch", str(tmp_path / "scratch"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "out" / "gpu_check.jsonl").read_text().splitlines()]
+    assert {r["row"] for r in rows} == ROWS
+    assert all(r["result"] == "dry" for r in rows), [r for r in rows if r["result"] != "dry"]
+    table = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert table.count("\n| ") == len(ROWS) + 1  # header + one line a row
+
+
+def test_without_cuda_it_refuses_at_once(tmp_path):
+    proc = _gpu_check("--out", str(tmp_path / "out"), "--only", "engine/ddp", cwd=tmp_path)
+    assert proc.returncode == 2 and "no CUDA here" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_an_unknown_row_is_named(tmp_path):
+    proc = _gpu_check("--dry", "--only", "engine/nope", "--out", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2 and "no such row" in proc.stdout and "engine/ddp" in proc.stdout
