@@ -102,38 +102,55 @@ def add_unhealthy(result: Dict[str, Any], nodes_health: Dict[str, Dict[str, Any]
 def measure(device, world_size: int, small: bool, delay_s: float = 0.0) -> Dict[str, Optional[float]]:
     """This rank's matmul GFLOP/s and world all-reduce bus bandwidth (GB/s); ``delay_s``
     is slept inside the timed matmuls (``fault.preflight_slow_rank``)."""
-    import torch
-    import torch.distributed as dist
+    gflops = matmul_gflops(device, small, delay_s)
+    bandwidth = allreduce_busbw(device, world_size, small) if world_size > 1 else None
+    return {"gflops": gflops, "allreduce_gbps": bandwidth}
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_gflops(device, small: bool, delay_s: float = 0.0) -> float:
+    """GFLOP/s of a fixed square matmul on ``device``: bf16 8192^2 on GPU, fp32 512^2 on CPU
+    (``small``), after one warm-up; ``delay_s`` is slept inside the timed part."""
+    import torch
 
     n, dtype, iters = (512, torch.float32, 8) if small else (8192, torch.bfloat16, 20)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     torch.mm(a, b)  # warm-up: kernels, allocator
-    sync()
+    _sync(device)
     t0 = time.perf_counter()
     for _ in range(iters):
         torch.mm(a, b)
     time.sleep(delay_s)
-    sync()
-    gflops = 2 * n ** 3 * iters / (time.perf_counter() - t0) / 1e9
-    bandwidth = None
-    if world_size > 1:
-        numel, iters = (1 << 20, 5) if small else (16 << 20, 10)  # fp32: 4 MiB / 64 MiB
-        buf = torch.ones(numel, device=device, dtype=torch.float32)
-        dist.all_reduce(buf)  # warm-up: connections, NCCL channels
-        sync()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(buf)
-        sync()
-        seconds = (time.perf_counter() - t0) / iters
-        bandwidth = buf.numel() * buf.element_size() * 2 * (world_size - 1) / world_size / seconds / 1e9
-    return {"gflops": gflops, "allreduce_gbps": bandwidth}
+    _sync(device)
+    return 2 * n ** 3 * iters / (time.perf_counter() - t0) / 1e9
+
+
+def allreduce_busbw(device, group_size: int, small: bool, group=None, numel: Optional[int] = None) -> float:
+    """Bus bandwidth (GB/s) of an fp32 all-reduce in ``group`` (None: the world) of
+    ``group_size`` ranks, as nccl-tests defines it: ``bytes * 2(n-1)/n / time``. Every
+    rank of the group calls it. ``numel``: the buffer (default 4 MiB small, 64 MiB else)."""
+    import torch
+    import torch.distributed as dist
+
+    iters = 5 if small else 10
+    numel = numel or ((1 << 20) if small else (16 << 20))
+    buf = torch.ones(numel, device=device, dtype=torch.float32)
+    dist.all_reduce(buf, group=group)  # warm-up: connections, NCCL channels
+    _sync(device)
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(buf, group=group)
+    _sync(device)
+    seconds = (time.perf_counter() - t0) / iters
+    return buf.numel() * buf.element_size() * 2 * (group_size - 1) / group_size / seconds / 1e9
 
 
 def run_preflight(ctx, run_dir: Path, threshold: float, exclude: bool, log: Callable[[str], None],
