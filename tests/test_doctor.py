@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -181,8 +182,6 @@ def check_report(proc, hosts, ranks_per_node):
 @pytest.mark.slow
 def test_local_two_ranks(tmp_path):
     proc = doctor_cli(["+cluster=local"], tmp_path)
-    import socket
-
     check_report(proc, [socket.gethostname()], 2)
 
 
