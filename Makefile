@@ -33,6 +33,13 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slurm" $(PYTEST_ARGS)
 
+## test-gpu: the tests marked `gpu`, with CUDA kept visible (STO_TEST_GPU=1; every other
+## test hides it). On a machine with CUDA; GPU_PYTHON=python3 takes that machine's own torch.
+GPU_PYTHON ?= $(BIN)/python
+.PHONY: test-gpu
+test-gpu:
+	STO_TEST_GPU=1 $(GPU_PYTHON) -m pytest -m gpu $(PYTEST_ARGS)
+
 cluster-up: setup
 	bash slurm/cluster/up.sh
 

@@ -192,7 +192,8 @@ def task_view(p: Point) -> str:
 
     what = (f"{p.entry['path']} as __main__, argv {[p.entry['path'], *p.cfg.entrypoint_args]}"
             if p.entry["kind"] == "script" else f"{p.entry['module']}:{p.entry['function']}(cfg)")
-    lines = [f"every task runs {what}", "environment of rank 0 (others differ in RANK, LOCAL_RANK, GROUP_RANK):"]
+    lines = [f"every task runs {what}",
+             "environment of rank 0 (others differ in RANK, LOCAL_RANK, GROUP_RANK, STO_DEVICE):"]
     env = task_environment(p.cfg, p.layout, p.run_dir, rank=0)
     lines += [f"  {key}={value}" for key, value in sorted(env.items())]
     return "\n".join(lines)

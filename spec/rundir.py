@@ -35,6 +35,12 @@ SAVE_NOW = "SAVE_NOW"  # touch RUN_DIR/SAVE_NOW: a checkpoint at the next step b
 # requeue (train/harness/badnodes.py) and launcher.resume (launcher/track/resume.py).
 EXCLUDING_FAILURES = {"node_failure": "node failure", "preflight_outlier": "preflight outlier",
                       "hardware_fault": "hardware fault"}
+# run.json "failure" values of a task that refused to start, before any collective
+# (spec/device.py): no usable CUDA for cluster.accelerator=gpu, or GPUs shown to the task
+# otherwise than cluster.gpu_binding says. Not a node's fault: the job ends, no requeue.
+NO_CUDA = "no_cuda"
+GPU_BINDING = "gpu_binding"
+START_REFUSALS = (NO_CUDA, GPU_BINDING)
 # run.json fields that describe the last segment's failure: cleared when a segment starts
 # (what was excluded for it stays in excluded_nodes / node_exclusions).
 SEGMENT_FAILURE = {key: None for key in ("error", "failure", "suspect_nodes", "dead_ranks", "dead_hosts", "fault",

@@ -16,6 +16,15 @@ Accelerate has no DeepSpeed or FSDP path without an accelerator: with
 ``cluster.accelerator=cpu`` every task gets ``ACCELERATE_USE_CPU=true`` instead of the
 strategy's variables, so the script runs as MULTI_CPU over gloo with the whole world;
 the engine the strategy names is built where CUDA exists (``cluster.accelerator=gpu``).
+
+Which device is the task's: ``STO_DEVICE`` ("cpu", or "cuda:N" by
+:func:`spec.device.task_device`) and ``STO_GPU_BINDING`` (``cluster.gpu_binding``). On a
+GPU profile the harness makes ``STO_DEVICE`` the current CUDA device before the code
+runs (or refuses the task), so ``torch.device(os.environ["STO_DEVICE"])``, or plain
+``"cuda"`` tensors, are the task's own under either binding. Code that picks its GPU
+from ``LOCAL_RANK`` itself, as Accelerate and DeepSpeed do (``cuda:LOCAL_RANK``), needs
+binding ``node``: under ``task`` each task sees one GPU and local ranks >= 1 would ask
+for a device that does not exist ("invalid device ordinal").
 Pure standard library.
 """
 from __future__ import annotations
@@ -24,10 +33,13 @@ from pathlib import Path
 from typing import Any, Dict
 
 from spec.config import RunConfig
+from spec.device import task_device
 from spec.ds_config import use_bf16
 from spec.layout import Layout
 
 RUN_DIR_ENV = "STO_RUN_DIR"
+DEVICE_ENV = "STO_DEVICE"
+BINDING_ENV = "STO_GPU_BINDING"
 ACCELERATE_DS_CONFIG = "accelerate_ds_config.json"
 
 # What `accelerate launch` sets for every distributed type (its defaults: no dynamo).
@@ -112,6 +124,8 @@ def task_environment(cfg: RunConfig, layout: Layout, run_dir: Path, rank: int,
     node, local = layout.placement(rank)
     env = {"RANK": str(rank), "WORLD_SIZE": str(layout.world_size), "LOCAL_RANK": str(local),
            "LOCAL_WORLD_SIZE": str(layout.gpus_per_node), "GROUP_RANK": str(node), "MASTER_ADDR": master_addr,
-           "MASTER_PORT": str(master_port), RUN_DIR_ENV: str(run_dir)}
+           "MASTER_PORT": str(master_port), RUN_DIR_ENV: str(run_dir),
+           DEVICE_ENV: task_device(cfg.cluster.accelerator, cfg.cluster.gpu_binding, local),
+           BINDING_ENV: cfg.cluster.gpu_binding}
     env.update(accelerate_env(cfg, layout, run_dir))
     return env

@@ -155,7 +155,8 @@ class Meter:
         self.cfg, self.world_size, self.global_batch = cfg, world_size, global_batch
         self.tokens_per_step = global_batch * cfg.train.seq_len
         self.flops_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        self.n_gpus = world_size if device_type == "cuda" or cfg.cluster.accelerator == "gpu" else 0
+        # The device the ranks run on, not the profile: a step on CPUs has no GPU peak to meet.
+        self.n_gpus = world_size if device_type == "cuda" else 0
         self.peak = cfg.cluster.peak_tflops_bf16 if self.n_gpus else None
 
     def row(self, step: int, lr: float, agreed: Agreed, dt: float, segment: int,

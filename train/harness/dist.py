@@ -4,7 +4,13 @@ Under srun every task derives the same master address (first host of the job's n
 list) and port (from the job id, see slurm.env.rendezvous_port), so no file or extra
 service is needed. Under torchrun (or the local launcher) RANK / WORLD_SIZE /
 LOCAL_RANK / MASTER_ADDR / MASTER_PORT are used as given. With neither, the process is
-a world of one. Backend: NCCL when CUDA is there, gloo otherwise.
+a world of one.
+
+Device and backend follow the profile (``cluster.accelerator``), not what the node
+happens to have: a GPU profile takes its GPU by ``cluster.gpu_binding``
+(:mod:`spec.device`) and NCCL, and a task that finds no usable CUDA, or GPUs shown
+otherwise than the binding says, stops at start with one line (:class:`DeviceError`)
+before any collective; a CPU profile runs on gloo and the CPU, even where CUDA exists.
 """
 from __future__ import annotations
 
@@ -12,14 +18,17 @@ import datetime
 import gc
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, MutableMapping, Optional
+from typing import Dict, MutableMapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from slurm.env import task_env
+from spec.device import DeviceError, device_index, no_cuda_line
+from spec.rundir import NO_CUDA
 
 
 @dataclass(frozen=True)
@@ -69,21 +78,57 @@ def nccl_env_defaults(trace_dir: Optional[Path], env: MutableMapping[str, str] =
     return applied
 
 
-def init_distributed(timeout_s: int = 600, trace_dir: Optional[Path] = None) -> DistContext:
-    """Join the process group of this job and pick the device of this rank.
+def cuda_devices() -> Tuple[int, str]:
+    """How many CUDA devices this process can use; when none, what CUDA said (the init
+    error, a driver's warning) on one line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            return torch.cuda.device_count(), ""
+        try:
+            torch.cuda.init()  # raises with the reason: no driver, too old, no device, CPU build
+            said = ""
+        except Exception as exc:  # noqa: BLE001 - its message is the diagnosis
+            said = f"{type(exc).__name__}: {exc}"
+    messages = [said, *(str(w.message) for w in caught)]
+    return 0, "; ".join(dict.fromkeys(m for m in messages if m))  # each once, in order
 
-    On NCCL, communication defaults are set first (:func:`nccl_env_defaults`); the
-    flight recorder dumps into ``trace_dir`` (the run's logs/) on a collective timeout.
+
+def pick_device(accelerator: Optional[str], binding: str, local_rank: int, local_world_size: int,
+                host: Optional[str] = None) -> torch.device:
+    """This task's device, made the current CUDA device of the calling thread: the CPU
+    for ``accelerator`` "cpu", ``cuda:N`` by ``binding`` for "gpu" (:func:`spec.device.device_index`),
+    and for None (no profile: a bench script, torchrun alone) "gpu" where CUDA is.
+    Raises :class:`DeviceError` for a GPU profile whose task cannot take its GPU."""
+    if accelerator is None:
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    if accelerator != "gpu":
+        return torch.device("cpu")
+    host = host or socket.gethostname()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count, said = cuda_devices()
+    if count < 1:
+        raise DeviceError(no_cuda_line(host, torch.__version__, torch.version.cuda, said, visible), NO_CUDA)
+    index = device_index(binding, local_rank, local_world_size, count, visible, host)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def init_distributed(timeout_s: int = 600, trace_dir: Optional[Path] = None, accelerator: Optional[str] = None,
+                     gpu_binding: str = "node") -> DistContext:
+    """Take this rank's device (:func:`pick_device`), then join the process group of this job.
+
+    ``accelerator`` / ``gpu_binding``: the profile's ``cluster.accelerator`` and
+    ``cluster.gpu_binding`` (None: "gpu" where CUDA is). A task that cannot take its
+    device raises :class:`DeviceError` here, before any collective. On NCCL,
+    communication defaults are set first (:func:`nccl_env_defaults`); the flight
+    recorder dumps into ``trace_dir`` (the run's logs/) on a collective timeout.
     """
     info = task_env()
-    if torch.cuda.is_available():
-        backend = "nccl"
+    device = pick_device(accelerator, gpu_binding, info.local_rank, info.local_world_size)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
         nccl_env_defaults(trace_dir)
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        backend = "gloo"
-        device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
     if info.world_size == 1 and info.launcher == "single":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -5,7 +5,10 @@ Called by :func:`train.harness.run.run_task` for any workload: a raised error is
 hardware fault named in the error or the task's stderr), and the job is requeued without
 the blamed nodes while requeues are left (:mod:`train.harness.badnodes`); "completed" is
 ``completed``, "interrupted" (a checkpoint committed after a signal) is counted as a
-preemption or a timeout and requeued unless the cap is reached.
+preemption or a timeout and requeued unless the cap is reached. A task that cannot take
+its device (:mod:`spec.device`: no usable CUDA, GPUs shown otherwise than the binding
+says) is refused at start (:func:`refuse_start`): ``failed`` with ``no_cuda`` /
+``gpu_binding``, the job ended, no requeue.
 """
 from __future__ import annotations
 
@@ -13,11 +16,12 @@ import logging
 import socket
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, NoReturn, Optional
 
 from slurm import query
 from spec.config import RunConfig
-from spec.rundir import Status, update_run_json
+from spec.device import DeviceError
+from spec.rundir import START_REFUSALS, Status, read_run_json, status_of, update_run_json
 from train.harness import preempt
 from train.harness.preempt import PreemptionFlag
 from train.harness import health
@@ -44,7 +48,7 @@ def is_comm_error(exc: BaseException) -> bool:
 # Which recorded failure stands when several ranks record one: a more specific cause is
 # not replaced by a rank's echo of it (its peers' communication errors).
 FAILURE_RANK = {None: 0, "communication": 1, "rank_failure": 2, "node_failure": 3, "hardware_fault": 3,
-                "preflight_outlier": 4, "hang": 5}
+                "preflight_outlier": 4, "hang": 5, **{refusal: 6 for refusal in START_REFUSALS}}
 
 
 def outranks(current: Any, new: Any) -> bool:
@@ -60,15 +64,19 @@ def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int
     (0: none, no classification)."""
     import traceback
 
-    log.error("training failed: %s\n%s", exc, traceback.format_exc())
     fields: Dict[str, Any] = {"status": Status.FAILED, "error": f"{type(exc).__name__}: {str(exc)[:500]}",
                               "ended_at": time.time()}
     job = preempt.in_slurm_job()
-    if is_comm_error(exc):  # a peer died or the network broke: find out which
-        fields.update(classify_failure(run_dir, world_size, heartbeat_s))
-        fields.update(slurmd_down(fields) if job else {})
-        log.error("failure classified: %s", fields)
-    fields.update(hardware_fields(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", run_dir, fields))
+    if isinstance(exc, DeviceError):  # a refusal at start, before any collective: its line says it all
+        log.error("%s", exc)
+        fields["failure"] = exc.failure
+    else:
+        log.error("training failed: %s\n%s", exc, traceback.format_exc())
+        if is_comm_error(exc):  # a peer died or the network broke: find out which
+            fields.update(classify_failure(run_dir, world_size, heartbeat_s))
+            fields.update(slurmd_down(fields) if job else {})
+            log.error("failure classified: %s", fields)
+        fields.update(hardware_fields(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", run_dir, fields))
     if rank == 0 or "failure" in fields:  # rank 0 may be the one that died
         # A hang or a node's fault already recorded is the cause: a rank's error after it
         # (its peers' broken connections) must not replace it, nor undo a requeue for it.
@@ -82,6 +90,23 @@ def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int
         # Slurm notices a dead node only after SlurmdTimeout; until then the job would
         # hold the surviving nodes. End it now: the run is resumable elsewhere.
         preempt.cancel(job)
+    elif fields.get("failure") in START_REFUSALS:
+        # Tasks that could take their device wait in the rendezvous for this one until
+        # train.dist_timeout_s: end the job now (the same refusal awaits it on a requeue).
+        preempt.cancel(job)
+
+
+def refuse_start(exc: DeviceError, run_dir: Path, rank: int, world_size: int, log: logging.Logger) -> NoReturn:
+    """A task that cannot take its device (before any collective): run.json ``failed``
+    with the refusal's failure class (the job is ended under Slurm), and the task exits 1
+    with the line in its log (rank 0's also on stdout), not a traceback. A finished run
+    (completed, stopped) started again stays as it was."""
+    status = status_of(read_run_json(run_dir))
+    if status is not None and status.final:
+        log.error("%s", exc)
+    else:
+        record_failure(exc, run_dir, rank, world_size, log, heartbeat_s=0)
+    raise SystemExit(1)
 
 
 def slurmd_down(fields: Dict[str, Any]) -> Dict[str, Any]:

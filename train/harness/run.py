@@ -22,14 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+from slurm.env import task_env
 from spec.config import RunConfig, to_run_config
+from spec.device import DeviceError
 from spec.validate import WATCHDOG_GRACE_S, validate
 from spec.layout import Layout, build_layout
 from spec.rundir import (CONFIG, SEGMENT_FAILURE, MetricsRow, Status, append_metrics, read_run_json, status_of,
                          update_run_json)
 from train.harness import faults
 from train.harness.node_facts import write_node_facts
-from train.harness.outcome import mark_stderr, record_failure, record_hang, record_outcome
+from train.harness.outcome import mark_stderr, record_failure, record_hang, record_outcome, refuse_start
 from train.harness.preempt import PreemptionFlag
 from train.harness.watchdog import Watchdog, heartbeat_interval
 
@@ -115,7 +117,12 @@ def _join(run_dir: Path):
     threads = os.environ.get("OMP_NUM_THREADS") or os.environ.get("SLURM_CPUS_PER_TASK") or cfg.cluster.cpus_per_task
     torch.set_num_threads(max(1, int(threads)))
     layout = build_layout(cfg)
-    ctx = init_distributed(cfg.train.dist_timeout_s, trace_dir=run_dir / "logs")
+    try:  # the device first: a GPU profile without its GPU stops here, before any collective
+        ctx = init_distributed(cfg.train.dist_timeout_s, trace_dir=run_dir / "logs",
+                               accelerator=cfg.cluster.accelerator, gpu_binding=cfg.cluster.gpu_binding)
+    except DeviceError as exc:
+        te = task_env()
+        refuse_start(exc, run_dir, te.rank, te.world_size, rank_logger(run_dir, te.rank))
     if ctx.world_size != layout.world_size:
         raise RuntimeError(f"the job has {ctx.world_size} ranks but the layout needs {layout.world_size} "
                            f"({layout.describe()})")

@@ -2,8 +2,10 @@
 
 What ``RUN_DIR/entrypoint.json`` names (written by the launcher, :mod:`launcher.entrypoint`)
 runs in every task, as ``torchrun script.py ARGS`` would run it: the torchrun variables,
-``STO_RUN_DIR`` and Accelerate's variables for the strategy (:mod:`spec.user_env`) are in
-``os.environ``; the code makes its own process group. Around it the harness does what it
+``STO_RUN_DIR``, ``STO_DEVICE`` and Accelerate's variables for the strategy
+(:mod:`spec.user_env`) are in ``os.environ``; on a GPU profile that device is already the
+current CUDA device, or the task was refused at start (``no_cuda`` / ``gpu_binding``,
+:mod:`spec.device`); the code makes its own process group. Around it the harness does what it
 does for the built-in trainer, minus what only a trainer can: run.json (``running``, then
 ``completed`` / ``failed`` by the exit status or exception, or a counted requeue), the
 heartbeats (no hang check: the harness cannot see the code's steps), ``logs/rank{R}.log``,
@@ -37,12 +39,13 @@ from typing import Any, Dict, Optional
 
 from slurm.env import expand_hostlist, task_env
 from spec.config import RunConfig, to_run_config
+from spec.device import DeviceError
 from spec.layout import build_layout
 from spec.rundir import CONFIG, ENTRYPOINT, SEGMENT_FAILURE, Status, read_run_json, status_of, update_run_json
 from spec.user_env import task_environment
 from train import session
 from train.harness.groups import keep_destroyed_groups
-from train.harness.outcome import after_interruption, record_failure
+from train.harness.outcome import after_interruption, record_failure, refuse_start
 from train.harness.preempt import PreemptionFlag, in_slurm_job
 from train.harness.run import rank_logger
 from train.harness.watchdog import Watchdog, heartbeat_interval
@@ -122,6 +125,7 @@ def _prepare(run_dir: Path) -> Optional[_Task]:
     if status is not None and status.final:
         log.info(f"run is {status}; nothing to do (resubmit with `python -m launcher.resume {run_dir}`)")
         return None
+    _take_device(cfg, te, run_dir, log)
     changed = _code_changed(entry)
     segment = int(info.get("segments", 0)) + 1
     if te.rank == 0:
@@ -134,6 +138,21 @@ def _prepare(run_dir: Path) -> Optional[_Task]:
     if changed:
         log.warning(f"{entry['path']} changed since submission (sha256 differs from {ENTRYPOINT})")
     return _Task(cfg, run_dir, entry, te, dict(info, segments=segment), log)
+
+
+def _take_device(cfg: RunConfig, te, run_dir: Path, log) -> None:
+    """A GPU profile: the task's GPU (``STO_DEVICE``, by ``cluster.gpu_binding``) becomes
+    the current CUDA device before the code runs, so its ``"cuda"`` tensors and
+    ``torch.cuda.current_device()`` are its own under either binding; a task that cannot
+    take it is refused as the built-in trainer's are. A CPU profile imports nothing here."""
+    if cfg.cluster.accelerator != "gpu":
+        return
+    from train.harness.dist import pick_device
+
+    try:
+        pick_device("gpu", cfg.cluster.gpu_binding, te.local_rank, te.local_world_size)
+    except DeviceError as exc:
+        refuse_start(exc, run_dir, te.rank, te.world_size, log)
 
 
 def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:

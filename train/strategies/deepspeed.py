@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Tuple
@@ -137,7 +138,7 @@ class DeepSpeedBuilder(EngineBuilder):
 
         self.shard(model)
         config = deepspeed_config(self.cfg, self.layout.dp, self.ctx.device.type)
-        with partitioned_build(config), no_initial_values():
+        with local_rank_names_device(self.ctx.device), partitioned_build(config), no_initial_values():
             built = Transformer(self.cfg.model)
         prepare(built)
         return [built]
@@ -152,8 +153,34 @@ class DeepSpeedBuilder(EngineBuilder):
 
         optimizer = build_adamw(parts[0], self.cfg.optim, self.ctx.device)
         config = deepspeed_config(self.cfg, self.layout.dp, self.ctx.device.type)
-        ds, _, _, _ = deepspeed.initialize(model=parts[0], optimizer=optimizer, config=config)
+        with local_rank_names_device(self.ctx.device):
+            ds, _, _, _ = deepspeed.initialize(model=parts[0], optimizer=optimizer, config=config)
         return DeepSpeedEngine(ds, self.ctx.device)
+
+
+@contextlib.contextmanager
+def local_rank_names_device(device: torch.device):
+    """While DeepSpeed builds, ``LOCAL_RANK`` holds the index of the harness's device
+    (:func:`train.harness.dist.pick_device`). DeepSpeed 0.19 takes its CUDA device from
+    ``LOCAL_RANK``, not from the current device: the engine (``_set_distributed_vars``:
+    ``set_device(local_rank)`` unless ``args.device_rank``) and every ``zero.Init``
+    (``os.environ["LOCAL_RANK"]``: ours in :func:`partitioned_build`, and the one
+    ``deepspeed.initialize`` makes for a stage-3 model not built under it). Under
+    ``cluster.gpu_binding=task`` every task sees one GPU, cuda:0, and local rank 3 would
+    ask for cuda:3 ("invalid device ordinal"). Restored after: elsewhere it means the
+    rank on the node. On CPU, or where the two agree (binding ``node``), nothing changes."""
+    saved = os.environ.get("LOCAL_RANK")
+    if device.type != "cuda" or saved == str(device.index):
+        yield
+        return
+    os.environ["LOCAL_RANK"] = str(device.index)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = saved
 
 
 @contextlib.contextmanager
