@@ -57,3 +57,14 @@ bench: setup
 
 clean:
 	rm -rf runs multirun .pytest_cache
+
+.PHONY: gpu-check gpu-wheels
+## gpu-check: the CUDA paths for real on this machine's GPU(s), under 5 minutes on one
+## H100/H200 (bench/gpu_check.py; table in GPU_CHECK_OUT, default runs/gpu-check). Runs with
+## the machine's own python3 and torch; wheels from `make gpu-wheels` fill in the rest.
+gpu-check:
+	bash bench/gpu_check.sh $(GPU_CHECK_ARGS)
+
+## gpu-wheels: build .whl/ (pure-Python dependencies + CPython 3.12 wheels) for a GPU machine
+gpu-wheels: setup
+	bash bench/gpu_wheels.sh
