@@ -44,8 +44,12 @@ class AppState:
 
 
 def rng_state() -> Dict[str, Any]:
+    """The generators of this rank; CUDA's (of the current device: the rank's own, set by
+    the harness) only where this process uses CUDA. ``is_available()`` would be true for a
+    CPU profile on a GPU node too, and asking for the state would open a CUDA context on
+    GPU 0 for every rank there."""
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -54,7 +58,7 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(state["cuda"])
 
 
