@@ -174,6 +174,7 @@ def dry_run(p: Point) -> int:
         script = submit.render_script(p.cfg, p.layout, p.run_dir)
         (p.run_dir / SBATCH).write_text(script)
         print(script)
+        print(submit.resources_line(p.cfg))
     else:
         print(f"local: {p.layout.world_size} x `{sys.executable} -m train {p.run_dir}` with RANK=0..."
               f"{p.layout.world_size - 1}")

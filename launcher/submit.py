@@ -119,7 +119,25 @@ def default_job_name(cfg: RunConfig) -> str:
 
 
 def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
-    """submitit/sbatch parameters of this run (the same for dry run and submission)."""
+    """submitit/sbatch parameters of this run (the same for dry run and submission): one
+    task per GPU, each with cluster.task_cpus() CPUs and its GPU(s) by cluster.gpu_binding."""
+    c = cfg.cluster
+    gpu: Dict[str, Any] = {}
+    extra: Dict[str, Any] = {}
+    srun_gpu: List[str] = []
+    if c.accelerator == "gpu":
+        gpu, extra, srun_gpu = sbatch.gpu_binding(c.gpu_binding, c.gpus_per_node, c.nodes)
+    params = _job_parameters(cfg, cfg.launcher.job_name or default_job_name(cfg), c.nodes, c.gpus_per_node,
+                             c.task_cpus(), srun_gpu)
+    params.update(gpu, teardown=submitit_adapter.requeue_if_signalled(c.max_requeues))
+    params["additional_parameters"] = {"requeue": True, **extra, **params["additional_parameters"]}
+    return params
+
+
+def _job_parameters(cfg: RunConfig, job_name: str, nodes: int, tasks_per_node: int, cpus_per_task: int,
+                    srun_gpu: List[str]) -> Dict[str, Any]:
+    """What every job of a run shares (training and conversion): name, shape, time, the
+    site's options, the environment, the srun line, and no submitit wckey."""
     c = cfg.cluster
     setup = list(c.setup)
     try:
@@ -127,25 +145,45 @@ def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
     except ValueError as exc:
         raise ConfigError(f"cluster.env: {exc}; use letters, digits and _") from None
     params: Dict[str, Any] = {
-        "job_name": cfg.launcher.job_name or default_job_name(cfg),
-        "nodes": c.nodes,
-        "ntasks_per_node": c.gpus_per_node,
-        "cpus_per_task": c.cpus_per_task,
+        "job_name": job_name,
+        "nodes": nodes,
+        "ntasks_per_node": tasks_per_node,
+        "cpus_per_task": cpus_per_task,
         "time": c.time_min,
         "signal_delay_s": c.signal_delay_s,
         "setup": setup,
-        "teardown": submitit_adapter.requeue_if_signalled(c.max_requeues),
-        "additional_parameters": {"requeue": True, **sbatch.extra_options(c.sbatch_extra)},
+        "srun_args": sbatch.srun_args(cpus_per_task, srun_gpu, c.srun_args, c.container_image, c.container_mounts,
+                                      c.container_workdir),
+        "additional_parameters": sbatch.extra_options(c.sbatch_extra),
+        **submitit_adapter.NO_WCKEY,
     }
-    srun_args = sbatch.srun_args(c.srun_args, c.container_image, c.container_mounts, c.container_workdir)
-    if srun_args:
-        params["srun_args"] = srun_args
-    if c.accelerator == "gpu":
-        params["gpus_per_node"] = c.gpus_per_node
     optional = {"partition": c.partition, "account": c.account, "qos": c.qos, "constraint": c.constraint,
-                "exclude": c.exclude, "mem": c.mem_gb or None}  # GB: submitit spells it ("64GB")
+                "exclude": c.exclude, "mem": submitit_adapter.mem_option(c.mem_gb)}  # "0" for 0: a string
     params.update({k: v for k, v in optional.items() if v})
     return params
+
+
+def resources_line(cfg: RunConfig) -> str:
+    """What each node is asked for, in words and the options that ask it (the dry run prints it)."""
+    c = cfg.cluster
+    cpus = c.task_cpus()
+    of = f" of cluster.cpus_per_node={c.cpus_per_node}" if c.cpus_per_node else ""
+    how = "cluster.cpus_per_task=0: derived" if c.cpus_per_task == 0 else f"cluster.cpus_per_task={cpus}"
+    line = (f"asked per node: {c.gpus_per_node} tasks x {cpus} CPUs = {c.gpus_per_node * cpus} CPUs{of} ({how}; "
+            f"sbatch and srun --cpus-per-task={cpus}); memory: ")
+    if c.mem_gb is None:
+        line += "the site's default (cluster.mem_gb=null: no --mem)"
+    elif c.mem_gb == 0:
+        line += "all of the node's (cluster.mem_gb=0: --mem=0)"
+    else:
+        line += f"{c.mem_gb} GB (--mem={submitit_adapter.mem_option(c.mem_gb)})"
+    if c.accelerator != "gpu":
+        return line + "; GPUs: none (cluster.accelerator=cpu)"
+    if c.gpu_binding == "task":
+        return line + (f"; GPU binding task: each task sees only its own GPU, cuda:0 (sbatch --ntasks="
+                       f"{c.nodes * c.gpus_per_node} --gpus-per-task=1, srun --gpus-per-task=1 --gpu-bind=per_task:1)")
+    return line + (f"; GPU binding node: every task sees the node's {c.gpus_per_node} GPUs and takes cuda:LOCAL_RANK "
+                   f"(sbatch --gpus-per-node={c.gpus_per_node})")
 
 
 def render_script(cfg: RunConfig, layout: Layout, run_dir: Path, python: Optional[str] = None,
@@ -173,16 +211,12 @@ CONVERT = "train.checkpoint.convert:run"  # the conversion job's one task, with 
 
 
 def conversion_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
-    """The conversion job's: one node, one task with the CPUs of all the node's tasks, the
-    run's partition, account, environment and container; no GPU, no requeue."""
+    """The conversion job's: one node, one task with the CPUs of all the node's tasks (srun
+    asks for them too), the run's partition, account, memory, environment and container;
+    no GPU, no requeue."""
     c = cfg.cluster
-    params = slurm_parameters(cfg, layout)
-    params.update(job_name=f"{params['job_name']}-convert", nodes=1, ntasks_per_node=1,
-                  cpus_per_task=c.cpus_per_task * c.gpus_per_node)
-    for key in ("gpus_per_node", "teardown"):
-        params.pop(key, None)
-    params["additional_parameters"] = {k: v for k, v in params["additional_parameters"].items() if k != "requeue"}
-    return params
+    name = f"{cfg.launcher.job_name or default_job_name(cfg)}-convert"
+    return _job_parameters(cfg, name, 1, 1, c.task_cpus() * c.gpus_per_node, [])
 
 
 def submit_conversion(cfg: RunConfig, layout: Layout, run_dir: Path, stage: int, slurm_conf: Optional[str]) -> str:

@@ -5,12 +5,16 @@ submitit's (= sbatch's) names (job_name, partition, time, nodes, ntasks_per_node
 cpus_per_task, gpus_per_node, mem, signal_delay_s, setup, ...), and the same mapping
 feeds ``SlurmExecutor.update_parameters`` for the real submission, so the dry run shows
 the script that will run (tested against submitit's own rendering).
+
+What each task gets (sbatch(1) and srun(1) of Slurm 22.05, the option names unchanged
+since): :func:`gpu_binding` the GPUs, :func:`srun_args` the CPUs again on the srun line,
+since srun does not inherit sbatch's ``--cpus-per-task``.
 """
 from __future__ import annotations
 
 import re
 import shlex
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -32,10 +36,32 @@ def extra_options(extra: Mapping[str, Any]) -> Dict[str, Any]:
     return {str(k).replace("_", "-"): (True if v is True else str(v)) for k, v in extra.items()}
 
 
-def srun_args(extra: Sequence[str], image: Optional[str], mounts: Sequence[str], workdir: Optional[str]) -> List[str]:
-    """srun's options before the command: the user's own, then pyxis's ``--container-*``
-    (each one argument: submitit quotes every item of the srun line)."""
-    args = list(extra)
+def gpu_binding(binding: str, gpus_per_node: int, nodes: int) -> Tuple[Dict[str, Any], Dict[str, Any], List[str]]:
+    """How a node's GPUs reach its tasks: (submitit parameters, additional sbatch options,
+    srun options).
+
+    ``"node"``: ``--gpus-per-node=G``; every task of the step sees all G (srun's
+    ``--gpu-bind``: "By default every spawned task can access every GPU allocated to the
+    step"). ``"task"``: ``--gpus-per-task=1``, which "requires an explicit task count, e.g.
+    -n, --ntasks" (sbatch(1)), hence ``--ntasks``; srun asks again for one GPU per task
+    with ``--gpu-bind=per_task:1`` ("Each task will be bound to the number of gpus
+    specified ... assigned in order to tasks"), which --gpus-per-task only implies, so a
+    site's default binding (SLURM_GPU_BIND) cannot replace it.
+    """
+    if binding == "task":
+        return ({"gpus_per_task": 1}, {"ntasks": nodes * gpus_per_node},
+                ["--gpus-per-task=1", "--gpu-bind=per_task:1"])
+    return {"gpus_per_node": gpus_per_node}, {}, []
+
+
+def srun_args(cpus_per_task: int, gpu: Sequence[str], extra: Sequence[str], image: Optional[str],
+              mounts: Sequence[str], workdir: Optional[str]) -> List[str]:
+    """srun's options before the command: ``--cpus-per-task`` (srun(1): "The number of cpus
+    per task specified for salloc or sbatch is not automatically inherited by srun and, if
+    desired, must be requested again"; where tasks are bound to CPUs each would get one),
+    the GPU binding's, the user's own, then pyxis's ``--container-*`` (each one argument:
+    submitit quotes every item of the srun line)."""
+    args = [f"--cpus-per-task={int(cpus_per_task)}", *gpu, *extra]
     if image:
         args.append(f"--container-image={image}")
     if mounts:

@@ -5,7 +5,7 @@ submitit upgrade fails that test, not a job:
 
 - ``submitit.slurm.slurm._make_sbatch_string``: the batch script submitit submits, for the
   dry run and for job arrays whose folder submitit's executor refuses (``%a`` in it);
-- ``submitit.slurm.slurm._convert_mem``: its ``mem`` spelling;
+- ``submitit.slurm.slurm._convert_mem``: its ``mem`` spelling (:func:`mem_option`);
 - ``submitit.core.utils.DelayedSubmission``: the pickle the job side loads, written here for
   job-array elements (``dump``) with submitit's requeue budget (``set_timeout``).
 
@@ -79,14 +79,30 @@ def submitit_command(folder: str | Path, python: Optional[str] = None, wrapper: 
     return " ".join([task_python(python, wrapper), "-u -m submitit.core._submit", shlex.quote(str(folder))])
 
 
+def mem_option(mem_gb: Optional[float]) -> Optional[str]:
+    """sbatch's ``--mem`` value for a number of GB in submitit's spelling ("64GB",
+    "512MB"); 0 stays "0", sbatch(1)'s "special case [that] grants the job access to all of
+    the memory on each node"; None: no option (the site's default). Given as the string
+    to both the dry run and ``SlurmExecutor.update_parameters``, which passes ``mem``
+    through unconverted (a number there would be megabytes to sbatch)."""
+    from submitit.slurm.slurm import _convert_mem
+
+    if mem_gb is None:
+        return None
+    return "0" if mem_gb == 0 else _convert_mem(mem_gb)
+
+
+# submitit's _make_sbatch_string writes "#SBATCH --wckey=submitit" unless wckey is None;
+# a site that tracks wckeys (TrackWCKey) refuses a key it does not know.
+NO_WCKEY = {"wckey": None}
+
+
 def render(params: Dict[str, Any], folder: str | Path, python: Optional[str] = None,
            wrapper: Optional[str] = None) -> str:
-    """The sbatch script for ``params`` (submitit parameter names) and a submitit folder."""
-    from submitit.slurm.slurm import _convert_mem, _make_sbatch_string
+    """The sbatch script for ``params`` (submitit parameter names, ``mem`` already spelt
+    by :func:`mem_option`) and a submitit folder."""
+    from submitit.slurm.slurm import _make_sbatch_string
 
-    params = dict(params)
-    if "mem" in params:
-        params["mem"] = _convert_mem(params["mem"])
     return _make_sbatch_string(command=submitit_command(folder, python, wrapper), folder=folder, **params)
 
 

@@ -18,80 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from spec.cluster import ClusterConfig  # the cluster section lives in its own module (re-exported here)
+
 
 class ConfigError(ValueError):
     """A user-facing configuration error: one line naming the field, the value and the fix."""
-
-
-@dataclass
-class ClusterConfig:
-    """Where the job runs. ``backend=local`` spawns ranks on this machine (no Slurm)."""
-
-    name: str = "local"
-    # "local": processes on this machine, torchrun-style env; "slurm": submit with submitit.
-    backend: str = "local"
-    nodes: int = 1
-    # Ranks per node: GPUs per node on GPU clusters, task slots per node on CPU clusters.
-    gpus_per_node: int = 2
-    # GPUs that share NVLink inside a node; 0 means "all GPUs of the node" (= gpus_per_node).
-    # Tensor parallel groups must fit inside one domain. A job using fewer GPUs per node than
-    # the domain holds counts them as one domain (min(nvlink_domain, gpus_per_node)).
-    nvlink_domain: int = 0
-    # "cpu" (gloo, no --gpus-per-node) or "gpu" (nccl, --gpus-per-node=gpus_per_node).
-    accelerator: str = "cpu"
-    # How a node's GPUs are shown to its tasks (accelerator gpu only):
-    #   "node": every task sees all the node's GPUs and takes cuda:LOCAL_RANK (sbatch
-    #           --gpus-per-node; the default of most sites);
-    #   "task": each task sees only its own GPU and takes cuda:0 (--gpus-per-task=1,
-    #           --gpu-bind=single:1, or a site that binds per task by default).
-    # The task harness checks what it finds against this and refuses a mismatch at start.
-    gpu_binding: str = "node"
-    cpus_per_task: int = 1
-    # Memory per node in GB for sbatch --mem; null leaves Slurm's default.
-    mem_gb: Optional[int] = None
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
-    # Nodes to avoid (sbatch --exclude), e.g. "node[3-4]".
-    exclude: Optional[str] = None
-    # Wall-clock limit in minutes (sbatch --time).
-    time_min: int = 60
-    # Slurm sends the user signal (USR2) this many seconds before the time limit.
-    signal_delay_s: int = 120
-    # A step that does not complete within this many seconds is a hang: stacks are dumped,
-    # hang.json names the stuck ranks, the job exits (train/harness/watchdog.py). 0 disables.
-    # Until a segment's first step completes (build, restore, lazy init) the limit is
-    # 3x this, capped at train.dist_timeout_s - 5. Keep it below train.dist_timeout_s
-    # and above the slowest step (compile, checkpoint).
-    hang_timeout_s: int = 300
-    # How many times a run may be requeued after preemption or time limit before it stops.
-    max_requeues: int = 3
-    # Shell lines run in the batch script before srun (module loads, venv activation).
-    setup: List[str] = field(default_factory=list)
-    # Environment for every task (NCCL_*, etc.); values are shell-quoted in the script.
-    env: Dict[str, str] = field(default_factory=dict)
-    # Peak dense bf16 FLOP/s per GPU in TFLOP/s; null = unknown, then MFU is not reported.
-    peak_tflops_bf16: Optional[float] = None
-    # Memory of one GPU in GB (planner); null = unknown.
-    gpu_mem_gb: Optional[float] = None
-    # Bandwidths in GB/s per GPU (planner cost model): NVLink inside a node, network across.
-    intra_node_gbps: Optional[float] = None
-    inter_node_gbps: Optional[float] = None
-    # Any other sbatch option, by its long name without dashes (exclusive, gres,
-    # reservation, mail-type, mail-user, dependency, licenses, ...); true = a flag without
-    # value. The options the toolkit sets itself are refused with the field to use.
-    sbatch_extra: Dict[str, Any] = field(default_factory=dict)
-    # Extra arguments of the srun that starts the tasks (e.g. ["--cpu-bind=cores"]).
-    srun_args: List[str] = field(default_factory=list)
-    # Containers through pyxis/enroot: srun's --container-image / --container-mounts /
-    # --container-workdir (the image needs this project installed).
-    container_image: Optional[str] = None
-    container_mounts: List[str] = field(default_factory=list)
-    container_workdir: Optional[str] = None
-    # Path of slurm.conf to use; null: $SLURM_CONF, else the system default. The localslurm
-    # profile sets "auto": the cluster started by `make cluster-up` is found by itself.
-    slurm_conf: Optional[str] = None
 
 
 @dataclass

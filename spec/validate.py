@@ -26,7 +26,7 @@ _CHOICES = {
 }
 
 _POSITIVE = (
-    "cluster.nodes", "cluster.gpus_per_node", "cluster.cpus_per_task", "cluster.time_min",
+    "cluster.nodes", "cluster.gpus_per_node", "cluster.time_min",
     "model.dim", "model.n_layers", "model.n_heads", "model.vocab_size", "model.max_seq_len",
     "model.multiple_of", "train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum",
     "train.log_every", "train.dist_timeout_s", "strategy.pp_microbatches", "data.num_tokens",
@@ -36,8 +36,8 @@ _POSITIVE = (
 # Must be >= 0: 0 means "off" / "none" where the field's comment says so; null is skipped.
 _NON_NEGATIVE = (
     "cluster.signal_delay_s", "cluster.max_requeues", "cluster.hang_timeout_s", "cluster.nvlink_domain",
-    "cluster.mem_gb", "checkpoint.every_steps", "checkpoint.every_minutes", "optim.warmup_steps",
-    "optim.weight_decay", "optim.grad_clip", "data.seed", "fault.step_delay_s", "fault.kill_in_save_at_step",
+    "cluster.mem_gb", "cluster.cpus_per_task", "checkpoint.every_steps", "checkpoint.every_minutes",
+    "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "data.seed", "fault.step_delay_s", "fault.kill_in_save_at_step",
     "fault.hang_at_step", "fault.hang_s", "fault.raise_at_step", "fault.slow_async_save_s", "train.gc_every_steps",
 )
 
@@ -46,7 +46,7 @@ _POSITIVE_REAL = ("optim.lr", "optim.eps", "model.norm_eps", "model.rope_theta",
 
 # null = unknown / derived; otherwise > 0.
 _OPTIONAL_POSITIVE = ("cluster.peak_tflops_bf16", "cluster.gpu_mem_gb", "cluster.intra_node_gbps",
-                      "cluster.inter_node_gbps", "model.n_kv_heads")
+                      "cluster.inter_node_gbps", "cluster.cpus_per_node", "cluster.node_mem_gb", "model.n_kv_heads")
 
 # field: (low, high, high included)
 _RANGES = {
@@ -81,7 +81,9 @@ _HOSTLIST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY
 OWNED_SBATCH = {
     "nodes": "cluster.nodes", "ntasks": "cluster.nodes and cluster.gpus_per_node",
     "ntasks-per-node": "cluster.gpus_per_node", "gpus-per-node": "cluster.gpus_per_node",
-    "cpus-per-task": "cluster.cpus_per_task", "time": "cluster.time_min", "signal": "cluster.signal_delay_s",
+    "gpus": "cluster.gpus_per_node", "gpus-per-task": "cluster.gpu_binding=task",
+    "gpu-bind": "cluster.gpu_binding (node: every task sees the node's GPUs; task: each its own)",
+    "cpus-per-task": "cluster.cpus_per_task", "cpus-per-gpu": "cluster.cpus_per_task", "time": "cluster.time_min", "signal": "cluster.signal_delay_s",
     "requeue": "cluster.max_requeues", "no-requeue": "cluster.max_requeues=0",
     "output": "launcher.run_dir (logs go to RUN_DIR/slurm)", "error": "launcher.run_dir (logs go to RUN_DIR/slurm)",
     "open-mode": "launcher.run_dir (logs are appended)", "job-name": "launcher.job_name",
@@ -224,6 +226,35 @@ def _check_slurm_options(cfg: RunConfig) -> None:
                               "without commas")
 
 
+def _check_resources(cfg: RunConfig) -> None:
+    """What a node is asked for (CPUs, memory) against what it has (cluster.cpus_per_node,
+    node_mem_gb): Slurm refuses such a job, or holds it pending for ever."""
+    c = cfg.cluster
+    if c.cpus_per_task == 0 and not c.cpus_per_node:
+        raise ConfigError("cluster.cpus_per_task=0 derives each task's CPUs from cluster.cpus_per_node, which is null; "
+                          "set cluster.cpus_per_node to the CPUs Slurm schedules on one node (scontrol show node: "
+                          "CPUTot) or cluster.cpus_per_task>=1")
+    if c.cpus_per_node:
+        n, g, per_task = c.cpus_per_node, c.gpus_per_node, c.task_cpus()
+        if per_task < 1:
+            raise ConfigError(f"cluster.cpus_per_node={n} leaves no whole CPU to each of the cluster.gpus_per_node={g} "
+                              f"tasks of a node (cluster.cpus_per_task=0 derives {n} // {g} = 0); set "
+                              f"cluster.cpus_per_node>={g} or run fewer tasks per node")
+        if per_task * g > n:
+            raise ConfigError(f"cluster.cpus_per_task={per_task} x cluster.gpus_per_node={g} = {per_task * g} CPUs per "
+                              f"node exceeds cluster.cpus_per_node={n}, which Slurm would refuse or hold pending; use "
+                              f"cluster.cpus_per_task<={n // g}, or cluster.cpus_per_task=0 to derive it")
+    if c.mem_gb and c.node_mem_gb and c.mem_gb > c.node_mem_gb:
+        raise ConfigError(f"cluster.mem_gb={c.mem_gb} exceeds cluster.node_mem_gb={c.node_mem_gb}, the memory of one "
+                          f"node; use cluster.mem_gb<={c.node_mem_gb}, or cluster.mem_gb=0 for all of each node's")
+    for key in c.sbatch_extra:
+        name = str(key).replace("_", "-")
+        if name in ("mem-per-cpu", "mem-per-gpu") and c.mem_gb is not None:
+            raise ConfigError(f"cluster.sbatch_extra.{key} with cluster.mem_gb={c.mem_gb}: sbatch takes one of --mem "
+                              f"and --{name} (mutually exclusive); set cluster.mem_gb=null to use --{name}, or remove "
+                              f"cluster.sbatch_extra.{key}")
+
+
 def validate(cfg: RunConfig) -> None:
     """Check field values that do not depend on the layout; raise ConfigError (one line:
     field, value, fix).
@@ -242,6 +273,7 @@ def validate(cfg: RunConfig) -> None:
     _check_strings(cfg)
     _check_numbers(cfg)
     _check_slurm_options(cfg)
+    _check_resources(cfg)
     m = cfg.model
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "

@@ -69,3 +69,51 @@ def test_known_model_sizes():
     assert 120e6 < sizes["gpt2_124m"] < 130e6
     assert 1.2e9 < sizes["llama3_1b"] < 1.3e9      # Llama 3.2 1B: 1.24 B
     assert 7.9e9 < sizes["llama3_8b"] < 8.1e9      # Llama 3.1 8B: 8.03 B
+
+
+@pytest.mark.parametrize("name,per_task", [("a100x8", 15), ("h100x8", 13), ("h200x8", 13)])
+def test_gpu_profiles_fit_their_nodes(name, per_task):
+    """The node's schedulable CPUs shared by its 8 tasks (cpus_per_task 0), all of each
+    node's memory (mem_gb 0) with the node's memory known to the planner."""
+    from spec.validate import validate
+
+    c = _compose([f"+cluster={name}"]).cluster
+    validate(_compose([f"+cluster={name}"]))
+    assert c.cpus_per_task == 0 and c.task_cpus() == per_task and per_task * c.gpus_per_node <= c.cpus_per_node
+    assert c.mem_gb == 0 and c.node_mem_gb and c.gpu_binding == "node"
+
+
+@pytest.mark.parametrize("overrides,expect", [
+    (["+cluster=h100x8", "cluster.cpus_per_task=16"],
+     "cluster.cpus_per_task=16 x cluster.gpus_per_node=8 = 128 CPUs per node exceeds cluster.cpus_per_node=104, "
+     "which Slurm would refuse or hold pending; use cluster.cpus_per_task<=13, or cluster.cpus_per_task=0"),
+    (["+cluster=h100x8", "cluster.cpus_per_node=null"], "cluster.cpus_per_task=0 derives each task's CPUs from "
+     "cluster.cpus_per_node, which is null; set cluster.cpus_per_node"),
+    (["+cluster=h100x8", "cluster.cpus_per_node=4"], "cluster.cpus_per_node=4 leaves no whole CPU to each of the "
+     "cluster.gpus_per_node=8 tasks"),
+    (["+cluster=h100x8", "cluster.cpus_per_node=-1"], "cluster.cpus_per_node=-1 must be > 0 or null"),
+    (["+cluster=h100x8", "cluster.cpus_per_task=-2"], "cluster.cpus_per_task=-2 must be >= 0"),
+    (["+cluster=h100x8", "cluster.node_mem_gb=0"], "cluster.node_mem_gb=0 must be > 0 or null"),
+    (["+cluster=h100x8", "cluster.mem_gb=4000"], "cluster.mem_gb=4000 exceeds cluster.node_mem_gb=2000, the memory "
+     "of one node; use cluster.mem_gb<=2000, or cluster.mem_gb=0"),
+    (["+cluster=h100x8", "cluster.gpu_binding=socket"], "cluster.gpu_binding='socket' is not one of node, task"),
+    (["+cluster=h100x8", "+cluster.sbatch_extra.mem-per-cpu=8G"], "cluster.sbatch_extra.mem-per-cpu with "
+     "cluster.mem_gb=0: sbatch takes one of --mem and --mem-per-cpu"),
+    (["+cluster=h100x8", "+cluster.sbatch_extra.gpus-per-task=1"], "the toolkit sets --gpus-per-task itself; use "
+     "cluster.gpu_binding=task"),
+    (["+cluster=h100x8", "cluster.srun_args=['--gpu-bind=closest']"], "the toolkit sets --gpu-bind itself; use "
+     "cluster.gpu_binding"),
+])
+def test_cpus_memory_and_binding_refused_in_one_line(overrides, expect):
+    from spec.validate import validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(_compose(overrides))
+    assert expect in str(info.value) and "\n" not in str(info.value)
+
+
+def test_site_default_memory_with_mem_per_cpu_is_accepted():
+    from spec.validate import validate
+
+    validate(_compose(["+cluster=h100x8", "cluster.mem_gb=null", "+cluster.sbatch_extra.mem-per-cpu=8G"]))
+    assert _compose(["+cluster=localslurm"]).cluster.task_cpus() == 1  # given: not derived

@@ -409,16 +409,21 @@ def test_every_strategy_skipped_is_bad_input():
 
 def test_offload_needs_host_memory():
     """zero3_offload of 70B on one node offloads 20 x 70.6e9 = 1.41 TB: more than the 1 TB
-    assumed without cluster.mem_gb, less than cluster.mem_gb=2000."""
+    assumed when the job's memory is unknown (cluster.mem_gb null) and than a 1200 GB node
+    taken whole (mem_gb=0), less than cluster.mem_gb=2000 or h100x8's whole node
+    (mem_gb=0, node_mem_gb=2000)."""
     base = ["+cluster=h100x8", "+model=llama3_70b", "+strategy=zero3_offload", "strategy.activation_checkpointing=full",
             "train.seq_len=2048", "train.micro_batch_size=1"]
-    cfg = compose_run(base)
+    cfg = compose_run([*base, "cluster.mem_gb=null"])
     mem = estimate(cfg, build_layout(cfg))
     assert mem.host_per_node == pytest.approx(20 * count_params(cfg.model)) and not mem.host_fits and not mem.fits
     with pytest.raises(ConfigError, match=r"^cluster.mem_gb=null \(assumed 1000.0 GB\): llama3_70b"):
         check_fits(cfg, build_layout(cfg))
-    big = compose_run([*base, "cluster.mem_gb=2000"])
-    assert estimate(big, build_layout(big)).fits
+    small = compose_run([*base, "cluster.node_mem_gb=1200"])
+    with pytest.raises(ConfigError, match=r"^cluster.mem_gb=0, node_mem_gb=1200: llama3_70b .*set cluster.node_mem_gb"):
+        check_fits(small, build_layout(small))
+    for big in (compose_run([*base, "cluster.mem_gb=2000"]), compose_run(base)):
+        assert estimate(big, build_layout(big)).fits
 
 
 def test_config_dir_as_the_launcher_takes_it(tmp_path):

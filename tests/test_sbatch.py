@@ -77,3 +77,153 @@ def test_dry_run_script_equals_submitits(tmp_path):
     executor.update_parameters(**slurm_parameters(cfg, layout))
     theirs = executor._make_submission_file_text(executor._submitit_command_str, "uid")
     assert render_script(cfg, layout, tmp_path) == theirs
+
+
+# What every option of the GPU goldens does, in the words of Slurm 22.05's man pages
+# (Debian's slurm-client here, `man sbatch` / `man srun`; the options are unchanged in later
+# releases). test_every_rendered_option_is_referenced fails on an option missing here.
+MAN = {
+    "#SBATCH --cpus-per-task": "sbatch(1) -c: 'ensuing job steps will require ncpus number of processors per task'",
+    "#SBATCH --error": "sbatch(1) -e: the batch script's standard error goes to this file pattern",
+    "#SBATCH --gpus-per-node": "sbatch(1): 'the number of GPUs required for the job on each node' (binding node: "
+                               "srun(1) --gpu-bind, 'By default every spawned task can access every GPU "
+                               "allocated to the step')",
+    "#SBATCH --gpus-per-task": "sbatch(1): 'the number of GPUs required for the job on each task'; 'requires an "
+                               "explicit task count, e.g. -n, --ntasks'; 'will implicitly set "
+                               "--gpu-bind=per_task:<gpus_per_task>'",
+    "#SBATCH --job-name": "sbatch(1) -J: 'a name for the job allocation'",
+    "#SBATCH --mem": "sbatch(1): 'the real memory required per node'; 'A memory size specification of zero is "
+                     "treated as a special case and grants the job access to all of the memory on each node'",
+    "#SBATCH --nodes": "sbatch(1) -N: 'If only one number is specified, this is used as both the minimum and "
+                       "maximum node count'",
+    "#SBATCH --ntasks": "sbatch(1) -n: 'job steps run within the allocation will launch a maximum of number tasks' "
+                        "(the explicit task count --gpus-per-task requires)",
+    "#SBATCH --ntasks-per-node": "sbatch(1): 'Request that ntasks be invoked on each node'; with --ntasks, 'treated "
+                                 "as a maximum count of tasks per node'",
+    "#SBATCH --open-mode": "sbatch(1): 'Open the output and error files using append or truncate mode' (a requeued "
+                           "job appends)",
+    "#SBATCH --output": "sbatch(1) -o: the batch script's standard output goes to this file pattern",
+    "#SBATCH --partition": "sbatch(1) -p: 'Request a specific partition for the resource allocation'",
+    "#SBATCH --requeue": "sbatch(1): 'the batch job should be eligible for requeuing'",
+    "#SBATCH --signal": "sbatch(1): 'When a job is within sig_time seconds of its end time, send it the signal "
+                        "sig_num' ('may be sent up to 60 seconds earlier')",
+    "#SBATCH --time": "sbatch(1) -t: 'a limit on the total run time of the job allocation' (minutes)",
+    "srun --unbuffered": "srun(1) -u: the tasks' output is not buffered on its way to the log",
+    "srun --output": "srun(1) -o: 'the \"filename pattern\" for stdout redirection' (%t: one file per task)",
+    "srun --error": "srun(1) -e: 'how stderr is to be redirected'",
+    "srun --cpus-per-task": "srun(1) -c: 'The number of cpus per task specified for salloc or sbatch is not "
+                            "automatically inherited by srun and, if desired, must be requested again'",
+    "srun --gpus-per-task": "srun(1): one GPU for each task of the step (as sbatch's; 'requires an explicit task "
+                            "count': SLURM_NTASKS from sbatch --ntasks)",
+    "srun --gpu-bind": "srun(1) --gpu-bind=per_task:1: 'Each task will be bound to the number of gpus specified "
+                       "in <gpus_per_task>. Gpus are assigned in order to tasks'",
+}
+
+
+def sbatch_flags(script: str) -> dict:
+    """``#SBATCH --name[=value]`` lines as {"--name": "value" or ""}."""
+    return dict(shlex.split(line)[1].partition("=")[::2] for line in script.splitlines()
+                if line.startswith("#SBATCH --"))
+
+
+def srun_flags(script: str) -> dict:
+    """The srun line's options before the command, as {"--name": "value" or ""}."""
+    words = shlex.split(next(line for line in script.splitlines() if line.startswith("srun ")))[1:]
+    flags, i = {}, 0
+    while words[i].startswith("--"):
+        name, eq, value = words[i].partition("=")
+        if not eq and name in ("--output", "--error"):  # submitit passes these as two words
+            i, value = i + 1, words[i + 1]
+        flags[name] = value
+        i += 1
+    return flags
+
+
+# (golden file, cluster profile, overrides): every GPU profile, both bindings on h100x8.
+GPU_GOLDENS = [
+    ("a100x8_2nodes.sbatch", "a100x8", []),
+    ("h100x8_2nodes.sbatch", "h100x8", []),
+    ("h100x8_2nodes_task.sbatch", "h100x8", ["cluster.gpu_binding=task"]),
+    ("h200x8_2nodes.sbatch", "h200x8", []),
+]
+
+
+def _gpu_golden(cluster: str, overrides: list):
+    cfg = _compose([f"+cluster={cluster}", "cluster.nodes=2", "+model=llama3_8b", "+strategy=ddp", *overrides])
+    validate(cfg)
+    return cfg, render_script(cfg, build_layout(cfg), RUN_DIR, python="/opt/venv/bin/python", wrapper=WRAPPER)
+
+
+@pytest.mark.parametrize("name,cluster,overrides", GPU_GOLDENS[1:])  # a100x8's: test_golden_a100x8_two_nodes
+def test_golden_gpu_profiles(name, cluster, overrides):
+    _, script = _gpu_golden(cluster, overrides)
+    golden = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert script == golden.read_text()
+
+
+@pytest.mark.parametrize("name,cluster,overrides", GPU_GOLDENS)
+def test_gpu_profile_asks_each_task_its_cpus_memory_and_gpu(name, cluster, overrides):
+    """What the golden files hold, option by option: the CPUs of each task on sbatch AND
+    srun, within the node's schedulable CPUs; all of each node's memory; the binding's GPU
+    options; no submitit wckey (refused where TrackWCKey knows no 'submitit')."""
+    cfg, _ = _gpu_golden(cluster, overrides)
+    c, script = cfg.cluster, (GOLDEN / name).read_text()
+    job, step = sbatch_flags(script), srun_flags(script)
+    cpus = c.cpus_per_node // c.gpus_per_node  # cpus_per_task 0 in the profile: the node's CPUs shared
+    assert c.cpus_per_task == 0 and job["--cpus-per-task"] == step["--cpus-per-task"] == str(cpus)
+    assert int(job["--ntasks-per-node"]) * cpus <= c.cpus_per_node
+    assert job["--mem"] == "0" and "--wckey" not in job
+    if c.gpu_binding == "task":
+        assert job["--ntasks"] == str(c.nodes * c.gpus_per_node) and job["--gpus-per-task"] == "1"
+        assert step["--gpus-per-task"] == "1" and step["--gpu-bind"] == "per_task:1" and "--gpus-per-node" not in job
+    else:
+        assert job["--gpus-per-node"] == "8" and "--gpu-bind" not in step and "--gpus-per-task" not in job
+        assert "--ntasks" not in job  # task count = nodes x ntasks-per-node
+    assert {f"#SBATCH {k}" for k in job} | {f"srun {k}" for k in step} <= set(MAN), "an option without its man page"
+
+
+def test_cpu_profile_asks_srun_for_the_cpus_too():
+    """localslurm (CPU): --cpus-per-task on sbatch and on srun, no GPU option, the site's memory."""
+    cfg = _compose(["+cluster=localslurm", "cluster.cpus_per_task=2"])
+    script = render_script(cfg, build_layout(cfg), RUN_DIR)
+    job, step = sbatch_flags(script), srun_flags(script)
+    assert job["--cpus-per-task"] == step["--cpus-per-task"] == "2"
+    assert not {"--mem", "--wckey", "--gpus-per-node", "--gpus-per-task"} & set(job) and "--gpu-bind" not in step
+
+
+@pytest.mark.skipif(shutil.which("srun") is None, reason="submitit's SlurmExecutor needs srun on PATH")
+@pytest.mark.parametrize("overrides", [["cluster.mem_gb=64"], ["cluster.gpu_binding=task", "cluster.mem_gb=null"]])
+def test_submission_equals_dry_run_for_memory_and_binding(tmp_path, overrides):
+    """The real submission's script (SlurmExecutor.update_parameters, which passes ``mem``
+    through unconverted) equals the dry run's: before, cluster.mem_gb=64 showed --mem=64GB
+    in the dry run and submitted --mem=64, megabytes to sbatch."""
+    import submitit
+
+    cfg = _compose(["+cluster=h100x8", "cluster.nodes=2", *overrides])
+    layout = build_layout(cfg)
+    executor = submitit.SlurmExecutor(folder=tmp_path / "slurm", python=submitit_adapter.task_python())
+    executor.update_parameters(**slurm_parameters(cfg, layout))
+    theirs = executor._make_submission_file_text(executor._submitit_command_str, "uid")
+    assert render_script(cfg, layout, tmp_path) == theirs
+    assert "--wckey" not in sbatch_flags(theirs)
+
+
+@pytest.mark.parametrize("overrides,expect", [
+    (["+cluster=h100x8", "cluster.nodes=2"],
+     "asked per node: 8 tasks x 13 CPUs = 104 CPUs of cluster.cpus_per_node=104 (cluster.cpus_per_task=0: derived; "
+     "sbatch and srun --cpus-per-task=13); memory: all of the node's (cluster.mem_gb=0: --mem=0); GPU binding node: "
+     "every task sees the node's 8 GPUs and takes cuda:LOCAL_RANK (sbatch --gpus-per-node=8)"),
+    (["+cluster=h100x8", "cluster.nodes=2", "cluster.gpu_binding=task", "cluster.mem_gb=512"],
+     "memory: 512 GB (--mem=512GB); GPU binding task: each task sees only its own GPU, cuda:0 (sbatch --ntasks=16 "
+     "--gpus-per-task=1, srun --gpus-per-task=1 --gpu-bind=per_task:1)"),
+    (["+cluster=localslurm"], "asked per node: 2 tasks x 1 CPUs = 2 CPUs of cluster.cpus_per_node=4 "
+     "(cluster.cpus_per_task=1; sbatch and srun --cpus-per-task=1); memory: the site's default (cluster.mem_gb=null: "
+     "no --mem); GPUs: none (cluster.accelerator=cpu)"),
+])
+def test_dry_run_says_what_each_node_is_asked(overrides, expect):
+    from launcher.submit import resources_line
+
+    line = resources_line(_compose(overrides))
+    assert expect in line and "\n" not in line

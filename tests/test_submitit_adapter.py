@@ -75,3 +75,38 @@ def test_batch_script_requeues_a_step_killed_by_the_warning_signal(tmp_path):
     assert script.index("-m submitit.core._submit") < script.index("# teardown")
     assert '[ "$code" -eq 140 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt 7 ]' in tail
     assert 'scontrol requeue "$job_id"' in tail and tail.rstrip().endswith("exit $code")
+
+
+def test_memory_policy_spelling():
+    """null: no --mem (the site's default); 0: --mem=0, sbatch(1)'s 'special case [that]
+    grants the job access to all of the memory on each node' (submitit's own spelling would
+    be "0GB", which sbatch reads as 0 too: seen with `sbatch --test-only --mem=0GB`); N: N GB."""
+    from submitit.slurm import slurm
+
+    assert submitit_adapter.mem_option(None) is None and submitit_adapter.mem_option(0) == "0"
+    assert submitit_adapter.mem_option(64) == slurm._convert_mem(64) == "64GB" and slurm._convert_mem(0) == "0GB"
+    assert "mem" not in slurm_parameters(*_with(["+cluster=localslurm"]))
+    assert slurm_parameters(*_with(["+cluster=h100x8"]))["mem"] == "0"
+
+
+def test_no_submitit_wckey_in_the_real_submission(tmp_path):
+    """submitit writes --wckey=submitit unless told wckey=None, which its executor accepts
+    and keeps (a site with TrackWCKey refuses an unknown wckey); a site's own stays possible."""
+    import shutil
+
+    import pytest
+    import submitit
+
+    if shutil.which("srun") is None:
+        pytest.skip("submitit's SlurmExecutor needs srun on PATH")
+    for extra, expect in (([], None), (["+cluster.sbatch_extra.wckey=ours"], "#SBATCH --wckey=ours")):
+        executor = submitit.SlurmExecutor(folder=tmp_path / "slurm", python=submitit_adapter.task_python())
+        executor.update_parameters(**slurm_parameters(*_with(["+cluster=a100x8", *extra])))
+        script = executor._make_submission_file_text(executor._submitit_command_str, "uid")
+        wckeys = [line for line in script.splitlines() if line.startswith("#SBATCH --wckey")]
+        assert wckeys == ([expect] if expect else [])
+
+
+def _with(overrides):
+    cfg = compose_run(overrides)
+    return cfg, build_layout(cfg)

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 
 from launcher.plan.costmodel import (MFU, NODE_FACTORS, Candidate, StepTime, candidates, change_overrides,
                                      nearest_runnable, step_time)
-from launcher.plan.memory import GB, Memory, compute_bytes, estimate
+from launcher.plan.memory import GB, Memory, compute_bytes, estimate, host_budget
 from launcher.compose import PointComposer, expand, standalone
 from launcher.overrides import CONF_DIR, check_overrides, group_options, split_args
 from spec.config import ConfigError, RunConfig
@@ -158,8 +158,9 @@ def strategy_table(rows: List[Tuple[str, RunConfig, object]]) -> List[str]:
                      f"{f(mem.overhead_bytes):>6}{f(mem.total_bytes):>7}  {_fits(mem):<14}{step:>7}")
         if mem.cpu_bytes:
             node = mem.cpu_bytes * cfg.cluster.gpus_per_node
-            have = f" of {_gb(mem.host_limit, unit)} {label} (cluster.mem_gb{'' if cfg.cluster.mem_gb else ' null: assumed'})" \
-                if mem.host_limit else ""
+            _, source, assumed = host_budget(cfg.cluster)
+            source += ": assumed" if assumed else ""
+            have = f" of {_gb(mem.host_limit, unit)} {label} ({source})" if mem.host_limit else ""
             lines.append(f"{'':<15}offload: host memory {f(mem.cpu_bytes)} {label} per rank, {f(node)} {label} "
                          f"per node{have}")
         if mem.init_bytes >= mem.total_bytes:  # the start-up peak is the larger one
@@ -243,9 +244,11 @@ def _shortfall(cfg: RunConfig, mem: Memory) -> str:
                 f"{_gb(mem.total_bytes)} GB per GPU on {c.name} (params {_gb(mem.param_bytes)}, grads "
                 f"{_gb(mem.grad_bytes)}, optimizer {_gb(mem.optimizer_bytes)}, activations "
                 f"{_gb(mem.activation_bytes)}, buffers+overhead {_gb(mem.buffer_bytes + mem.overhead_bytes)})")
-    limit = f"{c.mem_gb}" if c.mem_gb else f"null (assumed {_gb(mem.host_limit)} GB)"
-    return (f"cluster.mem_gb={limit}: {cfg.model.name} with strategy {s.name} offloads {_gb(mem.host_per_node)} GB "
-            f"per node to host memory on {c.name} (set cluster.mem_gb to the node's memory if it has more)")
+    _, source, assumed = host_budget(c)
+    source += f" (assumed {_gb(mem.host_limit)} GB)" if assumed else ""
+    fix = "cluster.node_mem_gb to the node's memory" if c.mem_gb == 0 else "cluster.mem_gb to the memory of a node"
+    return (f"{source}: {cfg.model.name} with strategy {s.name} offloads {_gb(mem.host_per_node)} GB "
+            f"per node to host memory on {c.name} (set {fix} if it has more)")
 
 
 def plan_point(composer: PointComposer, overrides: List[str], opts: Dict[str, object]):

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-from spec.config import ModelConfig, RunConfig
+from spec.config import ClusterConfig, ModelConfig, RunConfig
 from spec.layout import Layout
 from spec.model_size import count_params, ffn_hidden_dim, largest_module_params, param_breakdown
 from spec.ds_config import deepspeed_config, use_bf16
@@ -28,9 +28,9 @@ AC_MODES = ("none", "selective", "full")
 CUDA_OVERHEAD = 2.0e9
 # The caching allocator's fragmentation, as a share of everything allocated (assumption).
 FRAGMENTATION = 0.05
-# Host memory per node that offload may use when cluster.mem_gb is null (assumption: half
-# of the 2 TB of an 8-GPU A100/H100 server such as a DGX, the rest left to the system,
-# data loading and the page cache); cluster.mem_gb=... replaces it.
+# Host memory per node that offload may use when the job's is unknown (cluster.mem_gb null,
+# or 0 without node_mem_gb; assumption: half of the 2 TB of an 8-GPU A100/H100 server such
+# as a DGX, the rest left to the system, data loading and the page cache).
 HOST_MEM_ASSUMED = 1000e9
 # DeepSpeed ZeRO-3 (defaults that spec/ds_config.py keeps): a gathered parameter is not
 # released when it is used again within stage3_max_reuse_distance parameters of the trace;
@@ -40,6 +40,18 @@ DS_SUB_GROUP = 1_000_000_000
 # torchtitan's op-level selective checkpointing (not a mode of this trainer): the planner
 # models it for the comparison with torchtitan's published memory (docs/planner.md).
 OP_SAC = "selective_op"
+
+
+def host_budget(c: ClusterConfig) -> Tuple[Optional[float], str, bool]:
+    """Host memory per node that offload may use, the fields it comes from, and whether it
+    is assumed: the job's memory (mem_gb=N GB; mem_gb=0 is --mem=0, all of node_mem_gb),
+    else HOST_MEM_ASSUMED on GPU clusters (None, no limit, on CPU clusters)."""
+    if c.mem_gb:
+        return c.mem_gb * GB, f"cluster.mem_gb={c.mem_gb}", False
+    if c.mem_gb == 0 and c.node_mem_gb:
+        return c.node_mem_gb * GB, f"cluster.mem_gb=0, node_mem_gb={c.node_mem_gb}", False
+    given = "0, node_mem_gb=null" if c.mem_gb == 0 else "null"
+    return (HOST_MEM_ASSUMED if c.accelerator == "gpu" else None), f"cluster.mem_gb={given}", True
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,7 @@ class Memory:
     gpu_bytes: Optional[float]
     notes: Tuple[str, ...] = field(default=())
     host_per_node: float = 0.0           # cpu_bytes x ranks per node
-    host_limit: Optional[float] = None   # per node: cluster.mem_gb, or HOST_MEM_ASSUMED on GPU clusters
+    host_limit: Optional[float] = None   # per node: host_budget(cluster)
 
     @property
     def host_fits(self) -> bool:
@@ -376,7 +388,7 @@ def estimate(cfg: RunConfig, layout: Layout, mode: Optional[str] = None) -> Memo
     overhead = (CUDA_OVERHEAD + FRAGMENTATION * (p + g + o + act + buffers)) if gpu else 0.0
     c = cfg.cluster
     gpu_bytes = c.gpu_mem_gb * GB if c.gpu_mem_gb else None
-    host_limit = c.mem_gb * GB if c.mem_gb else (HOST_MEM_ASSUMED if gpu else None)
+    host_limit = host_budget(c)[0]
     return Memory(strategy=s.name, params=count_params(cfg.model), stage_params=psi, dp_degree=layout.dp,
                   shard_degree=shard, param_bytes=p, grad_bytes=g, optimizer_bytes=o, activation_bytes=act,
                   activations_by_mode=acts, buffer_bytes=buffers, overhead_bytes=overhead, init_bytes=init,

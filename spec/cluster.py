@@ -1,0 +1,100 @@
+"""The cluster section of the run configuration (``cluster.*``): where the job runs and
+what it asks of Slurm. Pure; :mod:`spec.config` re-exports it as part of ``RunConfig``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class ClusterConfig:
+    """Where the job runs. ``backend=local`` spawns ranks on this machine (no Slurm)."""
+
+    name: str = "local"
+    # "local": processes on this machine, torchrun-style env; "slurm": submit with submitit.
+    backend: str = "local"
+    nodes: int = 1
+    # Ranks per node: GPUs per node on GPU clusters, task slots per node on CPU clusters.
+    gpus_per_node: int = 2
+    # GPUs that share NVLink inside a node; 0 means "all GPUs of the node" (= gpus_per_node).
+    # Tensor parallel groups must fit inside one domain. A job using fewer GPUs per node than
+    # the domain holds counts them as one domain (min(nvlink_domain, gpus_per_node)).
+    nvlink_domain: int = 0
+    # "cpu" (gloo, no --gpus-per-node) or "gpu" (nccl, --gpus-per-node=gpus_per_node).
+    accelerator: str = "cpu"
+    # How a node's GPUs are shown to its tasks (accelerator gpu only):
+    #   "node": every task sees all the node's GPUs and takes cuda:LOCAL_RANK (sbatch
+    #           --gpus-per-node; the default of most sites);
+    #   "task": each task sees only its own GPU and takes cuda:0 (sbatch --ntasks and
+    #           --gpus-per-task=1, srun --gpus-per-task=1 --gpu-bind=per_task:1; also what
+    #           a site that binds per task by default gives).
+    # The task harness checks what it finds against this and refuses a mismatch at start.
+    gpu_binding: str = "node"
+    # CPUs Slurm may schedule on one node (`scontrol show node`: CPUTot, less the cores a
+    # site keeps for itself with CoreSpecCount/CpuSpecList); null = unknown. With it,
+    # cpus_per_task x gpus_per_node is checked against it before submission (a job asking
+    # more would be refused or pend forever), and cpus_per_task=0 derives from it.
+    cpus_per_node: Optional[int] = None
+    # CPUs of each task (sbatch and srun --cpus-per-task: srun does not inherit sbatch's).
+    # 0 = floor(cpus_per_node / gpus_per_node), the node's CPUs shared by its tasks.
+    cpus_per_task: int = 1
+    # Memory per node for sbatch --mem: N = N GB; 0 = --mem=0, all the memory of each node
+    # (whole-node GPU jobs: pinned buffers and offload outgrow a site's default per-CPU
+    # share); null = the site's default (DefMemPerCPU/DefMemPerNode), for CPU profiles.
+    mem_gb: Optional[int] = None
+    # Memory in GB a job gets on one node with --mem=0 (`scontrol show node`: RealMemory,
+    # in MB there). The planner's host budget for offload when mem_gb=0; null = unknown
+    # (the planner assumes 1000 GB on GPU clusters, launcher/plan/memory.py).
+    node_mem_gb: Optional[int] = None
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    # Nodes to avoid (sbatch --exclude), e.g. "node[3-4]".
+    exclude: Optional[str] = None
+    # Wall-clock limit in minutes (sbatch --time).
+    time_min: int = 60
+    # Slurm sends the user signal (USR2) this many seconds before the time limit.
+    signal_delay_s: int = 120
+    # A step that does not complete within this many seconds is a hang: stacks are dumped,
+    # hang.json names the stuck ranks, the job exits (train/harness/watchdog.py). 0 disables.
+    # Until a segment's first step completes (build, restore, lazy init) the limit is
+    # 3x this, capped at train.dist_timeout_s - 5. Keep it below train.dist_timeout_s
+    # and above the slowest step (compile, checkpoint).
+    hang_timeout_s: int = 300
+    # How many times a run may be requeued after preemption or time limit before it stops.
+    max_requeues: int = 3
+    # Shell lines run in the batch script before srun (module loads, venv activation).
+    setup: List[str] = field(default_factory=list)
+    # Environment for every task (NCCL_*, etc.); values are shell-quoted in the script.
+    env: Dict[str, str] = field(default_factory=dict)
+    # Peak dense bf16 FLOP/s per GPU in TFLOP/s; null = unknown, then MFU is not reported.
+    peak_tflops_bf16: Optional[float] = None
+    # Memory of one GPU in GB (planner); null = unknown.
+    gpu_mem_gb: Optional[float] = None
+    # Bandwidths in GB/s per GPU (planner cost model): NVLink inside a node, network across.
+    intra_node_gbps: Optional[float] = None
+    inter_node_gbps: Optional[float] = None
+    # Any other sbatch option, by its long name without dashes (exclusive, gres,
+    # reservation, mail-type, mail-user, dependency, licenses, ...); true = a flag without
+    # value. The options the toolkit sets itself are refused with the field to use.
+    sbatch_extra: Dict[str, Any] = field(default_factory=dict)
+    # Extra arguments of the srun that starts the tasks (e.g. ["--cpu-bind=cores"]).
+    srun_args: List[str] = field(default_factory=list)
+    # Containers through pyxis/enroot: srun's --container-image / --container-mounts /
+    # --container-workdir (the image needs this project installed).
+    container_image: Optional[str] = None
+    container_mounts: List[str] = field(default_factory=list)
+    container_workdir: Optional[str] = None
+    # Path of slurm.conf to use; null: $SLURM_CONF, else the system default. The localslurm
+    # profile sets "auto": the cluster started by `make cluster-up` is found by itself.
+    slurm_conf: Optional[str] = None
+
+    def task_cpus(self) -> int:
+        """CPUs per task as asked of Slurm: cpus_per_task, or with 0 the node's CPUs
+        (cpus_per_node) shared by its gpus_per_node tasks (spec/validate.py refuses 0
+        without cpus_per_node, and a share under one CPU)."""
+        if self.cpus_per_task or not self.cpus_per_node:
+            return self.cpus_per_task
+        return self.cpus_per_node // self.gpus_per_node
