@@ -227,3 +227,17 @@ def test_dry_run_says_what_each_node_is_asked(overrides, expect):
 
     line = resources_line(_compose(overrides))
     assert expect in line and "\n" not in line
+
+
+def test_conversion_job_takes_the_node_cpus_without_gpus():
+    """The CPU job converting a checkpoint before a ZeRO reshape: one node, one task with
+    the CPUs of the node's tasks on sbatch and srun, the run's memory, no GPU option of
+    either binding, no --ntasks, no requeue."""
+    from launcher.submit import conversion_parameters
+
+    cfg = _compose(["+cluster=h100x8", "cluster.nodes=4", "cluster.gpu_binding=task"])
+    script = submitit_adapter.render(conversion_parameters(cfg, build_layout(cfg)), RUN_DIR / "slurm")
+    job, step = sbatch_flags(script), srun_flags(script)
+    assert (job["--nodes"], job["--ntasks-per-node"], job["--cpus-per-task"], job["--mem"]) == ("1", "1", "104", "0")
+    assert step["--cpus-per-task"] == "104" and not {"--gpus-per-task", "--gpu-bind"} & set(step)
+    assert not {"--gpus-per-node", "--gpus-per-task", "--ntasks", "--requeue", "--wckey"} & set(job)
