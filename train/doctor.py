@@ -49,7 +49,7 @@ def cpu_facts(cfg: RunConfig) -> Dict[str, Any]:
     """The CPUs this task may run on and what Slurm and the profile said it would get."""
     slurm = os.environ.get("SLURM_CPUS_PER_TASK")
     return {"cpus": len(os.sched_getaffinity(0)), "slurm_cpus_per_task": int(slurm) if slurm else None,
-            "cpus_per_task": cfg.cluster.cpus_per_task, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+            "cpus_per_task": cfg.cluster.task_cpus(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
 def device_facts(device, cfg: RunConfig) -> Dict[str, Any]:

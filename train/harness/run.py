@@ -114,7 +114,9 @@ def _join(run_dir: Path):
     validate(cfg)
     # One intra-op thread pool per task sized to its CPUs, as torchrun does: srun tasks
     # otherwise each start one thread per core of the node and oversubscribe it.
-    threads = os.environ.get("OMP_NUM_THREADS") or os.environ.get("SLURM_CPUS_PER_TASK") or cfg.cluster.cpus_per_task
+    # (task_cpus: cpus_per_task=0 derives it from the node's CPUs)
+    threads = (os.environ.get("OMP_NUM_THREADS") or os.environ.get("SLURM_CPUS_PER_TASK")
+               or max(1, cfg.cluster.task_cpus()))
     torch.set_num_threads(max(1, int(threads)))
     layout = build_layout(cfg)
     try:  # the device first: a GPU profile without its GPU stops here, before any collective

@@ -118,7 +118,7 @@ def _prepare(run_dir: Path) -> Optional[_Task]:
     os.environ.update(task_environment(cfg, layout, run_dir, te.rank, te.master_addr, str(te.master_port)))
     # One intra-op thread pool per task sized to its CPUs, as torchrun does (OMP_NUM_THREADS):
     # srun tasks otherwise each start one thread per core of the node (steps 30x slower here).
-    os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK") or str(cfg.cluster.cpus_per_task))
+    os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK") or str(max(1, cfg.cluster.task_cpus())))
     log = rank_logger(run_dir, te.rank)
     info = read_run_json(run_dir)
     status = status_of(info)
