@@ -1,0 +1,81 @@
+"""Every command docs/gpu.md shows is run here: launcher lines as dry runs (they name GPU
+clusters), `pip install` as pip's own dry run of the project, `make gpu-wheels` for real
+into a temporary folder, `make gpu-check`'s script in its dry mode (no GPU here)."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, launcher
+
+DOC = REPO / "docs" / "gpu.md"
+
+
+def commands() -> list:
+    """The command lines of the page's ```bash blocks, comments dropped."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", DOC.read_text(), flags=re.S):
+        for line in block.splitlines():
+            line = line.split("  #", 1)[0].strip()
+            if line:
+                lines.append(line)
+    return lines
+
+
+def test_the_page_shows_the_commands_this_file_runs():
+    kinds = {" ".join(c.split()[:3 if c.startswith("python") else 2]) for c in commands()}
+    assert kinds == {"pip install", "python -m launcher", "python -m launcher.doctor", "make gpu-wheels",
+                     "make gpu-check"}, kinds
+
+
+@pytest.mark.parametrize("line", [c for c in commands() if c.startswith("python -m launcher")])
+def test_launcher_lines_pass_their_dry_run(tmp_path, line):
+    args = shlex.split(line)[3:]
+    proc = launcher([*args, *([] if "launcher.dry_run=true" in args else ["launcher.dry_run=true"])], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    if "gpu_binding=task" in line:
+        assert "--gpus-per-task=1" in out and "--gpu-bind=per_task:1" in out
+    if "+cluster=a100x8" in line and "doctor" not in line:
+        assert "asked per node" in out and "--mem=0" in out and "--wckey" not in out
+
+
+def test_pip_install_line_builds_the_project(tmp_path):
+    line = next(c for c in commands() if c.startswith("pip install"))
+    args = shlex.split(line)[2:]
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index",
+                           "--no-build-isolation", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "slurm-torch-orchestrator" in proc.stdout
+
+
+def test_make_gpu_wheels_builds_what_a_gpu_image_lacks(tmp_path):
+    env = {**os.environ, "GPU_WHEELS": str(tmp_path / "whl"), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(REPO / "bench/gpu_wheels.sh")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = {p.name.split("-")[0].lower() for p in (tmp_path / "whl").glob("*.whl")}
+    assert {"hydra_core", "omegaconf", "antlr4_python3_runtime", "submitit", "deepspeed", "pydantic",
+            "pydantic_core", "isal", "hjson"} <= names, names
+    assert all("cp312" in p.name or "py3-none-any" in p.name for p in (tmp_path / "whl").glob("*.whl"))
+    assert sum(p.stat().st_size for p in (tmp_path / "whl").glob("*.whl")) < 16 << 20  # tree + wheels < 64 MiB
+
+
+def test_make_gpu_check_script_runs_in_dry_mode(tmp_path):
+    env = {**os.environ, "GPU_PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(REPO / "bench/gpu_check.sh"), "--dry", "--only", "health", "engine/ddp",
+                           "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gpu-check: 2 passed, 0 failed" in proc.stdout and (tmp_path / "gpu_check.md").exists()
+
+
+def test_make_targets_named_by_the_page_exist():
+    targets = set(re.findall(r"^([a-z][\w-]*):", (REPO / "Makefile").read_text(), flags=re.M))
+    assert {"gpu-check", "gpu-wheels", "test-gpu", "test-torch-floor"} <= targets
+    assert Path(REPO / "bench/gpu_check.sh").exists()
