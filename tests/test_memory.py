@@ -19,8 +19,8 @@ import os
 import warnings
 
 import pytest
-import torch.multiprocessing as mp
 
+import warm
 from conftest import REPO
 from launcher.local import free_port
 from helpers import compose_run
@@ -109,7 +109,10 @@ def measure(strategy: str, tmp_path, world: int = N) -> list:
     port = free_port()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_rank, args=(world, port, cfg, str(tmp_path)), nprocs=world, start_method="spawn")
+    # The ranks as torch.multiprocessing would spawn them, forked from a process that imported
+    # torch and every engine once (tests/warm.py); each measures against its own baseline.
+    proc = warm.call_ranks(_rank, world, (world, port, cfg, str(tmp_path)), cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
 
 

@@ -12,16 +12,14 @@ training.
 from __future__ import annotations
 
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
-from conftest import REPO, launcher
+import warm
 from spec.config import DataConfig, RunConfig, to_yaml
 from spec.rundir import CONFIG, read_metrics, read_run_json
 
@@ -29,10 +27,14 @@ BASE = ["train.steps=10", "train.seq_len=32", "data.num_tokens=50000", "fault.tr
 GLOBAL = 32  # sequences per step in every run here
 
 
+# The launcher, launcher.resume and their local ranks: forked from one process that
+# imported torch once (tests/warm.py).
+launcher = warm.launcher
+
+
 def resume(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "launcher.resume", str(run_dir), *overrides], cwd=run_dir.parent,
-                          env=env, capture_output=True, text=True, timeout=600)
+    """``python -m launcher.resume RUN_DIR OVERRIDES`` from the run's parent directory."""
+    return warm.run_module("launcher.resume", [str(run_dir), *overrides], cwd=run_dir.parent, timeout=600)
 
 
 def losses(run_dir: Path) -> dict:
