@@ -1,21 +1,38 @@
 """Exact resume for the sharded strategies: DCP (torch; pipeline stages included) and
 DeepSpeed's own format.
 
-Every shipped strategy but DDP (tests/test_checkpoint.py and the Slurm preemption tests).
 A run killed in the middle of a save resumes from the previous committed checkpoint and
-ends with the same per-step losses as an uninterrupted run (bitwise, fp32 on CPU).
+ends with the same per-step losses as an uninterrupted run (bitwise, fp32 on CPU). One
+strategy for each way its state is saved and restored, of every engine:
+  - DDP: tests/test_checkpoint.py (and the Slurm preemption tests);
+  - FSDP's DTensor shards on a 1-D mesh (fsdp; fsdp_grad_op differs only in resharding
+    after forward, which no saved state holds) and a 2-D replicate x shard mesh (hsdp);
+  - the tensor-parallel module's DTensors (tp, over DDP's replicas);
+  - pipeline stages' own state dicts (pp_fsdp_tp: stages of FSDP x TP DTensors, the state
+    fsdp_tp holds unstaged; pp alone has the same stage state over DDP);
+  - DeepSpeed's own format: ZeRO-2 (stage 1 saves through the same optimizer class,
+    DeepSpeedZeroOptimizer, without partitioning the gradients, which no checkpoint holds),
+    ZeRO-3, and ZeRO-3 with the optimizer offloaded to the CPU.
+(``make test-torch-floor`` names the fsdp, zero2 and tp cases.)
 """
 from __future__ import annotations
 
 import pytest
 
-from conftest import launcher
 from helpers import assert_committed, assert_same_state, strategy_options
+from warm import launcher  # forked from one process that imported torch once (tests/warm.py)
 from spec.rundir import read_metrics
 
 pytestmark = pytest.mark.slow
 BASE = ["train.steps=12", "train.seq_len=32", "data.num_tokens=50000", "checkpoint.every_steps=4"]
-STRATEGIES = [s for s in strategy_options() if s != "ddp"]
+STRATEGIES = ["fsdp", "hsdp", "tp", "pp_fsdp_tp", "zero2", "zero3", "zero3_offload"]
+SAME_STATE_AS = {"fsdp_grad_op": "fsdp", "fsdp_tp": "pp_fsdp_tp", "pp": "pp_fsdp_tp", "zero1": "zero2"}
+
+
+def test_every_strategy_has_its_state_path_resumed():
+    """A new strategy is added here, or named beside the one whose saved state it shares."""
+    assert sorted(STRATEGIES + list(SAME_STATE_AS) + ["ddp"]) == strategy_options()  # ddp: test_checkpoint.py
+    assert set(SAME_STATE_AS.values()) <= set(STRATEGIES)
 
 
 def losses(run_dir):
