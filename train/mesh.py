@@ -8,13 +8,15 @@ included, so a strategy slices ``mesh["dp_shard"]`` without asking whether it ex
 The flattened ``dp`` dim (dp_replicate x dp_shard: the ranks that see different data)
 comes from :func:`data_parallel_mesh`. torch 2.13 warns that slicing a flattened dim
 from the root mesh is going away, so it is not looked up by name: ``_flatten`` (private,
-as torchtitan uses it) is cached per name, and calling it again returns the same mesh.
+as torchtitan uses it; fenced in :mod:`train.torch_compat`) is cached per name, and
+calling it again returns the same mesh.
 """
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from spec.layout import AXES, Layout
+from train.torch_compat import flatten_mesh  # DeviceMesh._flatten: private, checked there
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
@@ -29,7 +31,7 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """1D mesh over dp_replicate x dp_shard (same for every caller; collective on first use)."""
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
 
 
 def dp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:

@@ -15,7 +15,6 @@ through the same order (train/strategies/pp.py).
 from __future__ import annotations
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from spec.config import RunConfig
 from spec.layout import Layout
@@ -26,6 +25,7 @@ from train.model import Transformer
 from train.strategies import get_builder
 from train.strategies.base import Engine, EngineBuilder
 from train.strategies.tp import apply_tp
+from train.torch_compat import checkpoint_wrapper  # torch's private wrapper: fenced there
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:

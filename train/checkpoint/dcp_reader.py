@@ -2,12 +2,14 @@
 
 On resume every rank verifies its share of a checkpoint's files (see
 :func:`train.checkpoint.manifest.share`); DCP's data files are summed as the load reads
-them (:func:`verifying_reader`), so the disk is read once. Only public interfaces are
-used: DCP's ``FileSystemReader`` and its metadata (where each item lies), and for each
-saved tensor ``torch.load(map_location="meta", weights_only=True)`` (its dtype, shape
-and stride) with the standard library's ``zipfile`` (where its bytes lie in the
-``torch.save`` record: the entry in the zip's central directory, and its local header's
-fixed size per the ZIP specification).
+them (:func:`verifying_reader`), so the disk is read once. It uses DCP's
+``FileSystemReader`` and, of its internals (private: fenced and checked against the
+running torch in :mod:`train.torch_compat`, with DCP's own reader as the fallback), its
+``storage_data`` (where each item lies) and ``transforms``; for each saved tensor
+``torch.load(map_location="meta", weights_only=True)`` (its dtype, shape and stride)
+with the standard library's ``zipfile`` (where its bytes lie in the ``torch.save``
+record: the entry in the zip's central directory, and its local header's fixed size per
+the ZIP specification).
 """
 from __future__ import annotations
 
@@ -295,8 +297,15 @@ class _OnePass:
 
 @functools.lru_cache(maxsize=None)
 def verifying_reader():
-    """The reader class (defined on first use: importing DCP takes seconds)."""
+    """The reader class (defined on first use: importing DCP takes seconds): the one-pass
+    reader where DCP's internals it reads are as this code knows them
+    (:func:`train.torch_compat.dcp_reader_internals`), else :func:`checking_first_reader`."""
     from torch.distributed.checkpoint import FileSystemReader
+
+    from train.torch_compat import dcp_reader_internals
+
+    if dcp_reader_internals():
+        return checking_first_reader()
 
     class VerifyingReader(_OnePass, FileSystemReader):
         """DCP's file reader in one pass over the files: the ones this rank owns
@@ -314,3 +323,25 @@ def verifying_reader():
             self.direct = 0  # tensors read straight into their destination (tests)
 
     return VerifyingReader
+
+
+@functools.lru_cache(maxsize=None)
+def checking_first_reader():
+    """The fallback of :func:`verifying_reader` on a torch whose ``FileSystemReader``
+    internals differ: the same constructor and errors, the files this rank owns summed in
+    a pass of their own before DCP's own reader loads (the disk read twice)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class CheckingFirstReader(FileSystemReader):
+        def __init__(self, path: Path, owned: Sums) -> None:
+            super().__init__(str(path))
+            self.owned = owned
+            self.direct = 0  # never reads in place
+
+        def read_data(self, plan, planner):
+            for rel, (_, crc) in self.owned.items():
+                if file_crc32(Path(self.path) / rel) != crc:
+                    raise CorruptCheckpoint(f"checksum mismatch in dcp/{rel}")
+            return super().read_data(plan, planner)
+
+    return CheckingFirstReader

@@ -62,9 +62,9 @@ def summing_writer():
             # this machine) is left out: each file's CRC is taken as it is written, in the
             # manifest, checked before any load. torch.load reads such files (documented).
             # The setting is the process's own for the time of the write.
-            from torch.utils.serialization import config
+            from train.torch_compat import torch_save_without_crc
 
-            with config.patch({"save.compute_crc32": False}):
+            with torch_save_without_crc():
                 future = super().write_data(plan, planner)
             future.wait()  # done already (DCP writes in this call); raises what the write raised
             for rel in self.prior:  # written (not fsynced) by this rank before the save

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from slurm.env import task_env
 from spec.device import DeviceError, device_index, no_cuda_line
 from spec.rundir import NO_CUDA
+from train.torch_compat import require_supported_torch
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ def init_distributed(timeout_s: int = 600, trace_dir: Optional[Path] = None, acc
     communication defaults are set first (:func:`nccl_env_defaults`); the flight
     recorder dumps into ``trace_dir`` (the run's logs/) on a collective timeout.
     """
+    require_supported_torch()  # an older torch: one line here, not an error deep in DCP later
     info = task_env()
     device = pick_device(accelerator, gpu_binding, info.local_rank, info.local_world_size)
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -1,0 +1,148 @@
+"""The torch releases this project runs on, and its uses of torch that depend on the release.
+
+**Range.** :data:`FLOOR` (2.11, what the lent GPU machines and recent NGC images carry) is
+the lowest release tested: ``make test-torch-floor`` runs the multi-rank strategy,
+checkpoint (both DCP readers) and Hugging Face tests on it (``.venv-floor``, pinned by
+constraints-floor.txt); the rest of the suite runs on the CPU build pinned in
+constraints-cpu.txt (2.13). pyproject.toml says ``torch>=2.11``, and
+:func:`require_supported_torch` refuses an older torch at a task's start, in one line,
+before any process group (train/harness/dist.py ``init_distributed``): an older torch would
+otherwise fail later and far from the cause (a missing keyword, an import deep in DCP).
+
+**Public APIs newer than some releases, present in the floor** (no fallback needed: the
+refusal above keeps older releases out): ``torch.distributed.checkpoint.HuggingFaceStorageReader``
+(train/hf_io.py), ``distribute_tensor(..., src_data_rank=None)`` (train/model.py, torch 2.7),
+``torch.utils.serialization.config``'s ``save.compute_crc32`` (train/checkpoint/dcp_writer.py,
+through :func:`torch_save_without_crc`, which keeps torch.save's CRC where a release lacks it).
+
+**Private torch, fenced here**, each with why it is used, the releases it was read on
+(2.11 and 2.13: the same code in both), and a check against the running torch:
+
+- DCP's ``FileSystemReader`` internals (``storage_data``'s ``_StorageInfo`` entries: file,
+  offset, length, transforms; ``transforms.transform_load_stream``), which the one-pass
+  reader train/checkpoint/dcp_reader.py reads to checksum and load a file in one read.
+  :func:`dcp_reader_internals` checks them; where they differ, dcp_reader falls back to
+  DCP's own reader after a separate checksum pass (the disk read twice, same result).
+- ``DeviceMesh._flatten`` (train/mesh.py): the one mesh over dp_replicate x dp_shard, as
+  torchtitan builds it; 2.13 warns that slicing a flattened dim from the root mesh is
+  going away, and no public way exists yet. :func:`flatten_mesh` checks it is there.
+- ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (train/parallelize.py):
+  activation checkpointing that keeps parameter names (its state-dict hooks drop the
+  wrapper's prefix, which DCP and FSDP rely on), as torchtitan uses it; no public
+  equivalent. :func:`checkpoint_wrapper` imports it, or says what is missing.
+
+Left where it is (another file's work): ``torch._foreach_copy_`` in
+train/checkpoint/async_save.py (a private op of the ``_foreach`` family, the same in both).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+import socket
+from typing import Optional, Tuple
+
+import torch
+
+FLOOR: Tuple[int, int] = (2, 11)
+# The newest release the whole suite runs on (constraints-cpu.txt); the private uses
+# above were read in FLOOR's and this release's sources.
+NEWEST_TESTED: Tuple[int, int] = (2, 13)
+
+
+def _text(version: Tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
+
+
+class UnsupportedTorch(RuntimeError):
+    """A task whose torch is older than :data:`FLOOR`: one line naming the host, the
+    version found, the floor and the fix."""
+
+
+def torch_version(text: Optional[str] = None) -> Tuple[int, int]:
+    """(major, minor) of a torch version string (``torch.__version__`` when None): a local
+    build tag (``+cu130``) or a pre-release of NGC's images (``2.11.0a0+...nv26.02``) counts
+    as its release. ValueError for a string that does not start with major.minor."""
+    text = str(torch.__version__) if text is None else text
+    found = re.match(r"\s*(\d+)\.(\d+)", text)
+    if found is None:
+        raise ValueError(f"torch version {text!r}: expected MAJOR.MINOR[...], e.g. 2.11.0+cu130")
+    return int(found.group(1)), int(found.group(2))
+
+
+def require_supported_torch(version: Optional[str] = None, host: Optional[str] = None) -> None:
+    """Refuse (:class:`UnsupportedTorch`) a torch older than :data:`FLOOR`. ``version``:
+    ``torch.__version__`` when None (read at the call, so a test can set it)."""
+    text = str(torch.__version__) if version is None else version
+    if torch_version(text) >= FLOOR:
+        return
+    raise UnsupportedTorch(
+        f"{host or socket.gethostname()}: torch {text} is older than {_text(FLOOR)}, the lowest release this project "
+        f"supports (tested {_text(FLOOR)} to {_text(NEWEST_TESTED)}): install torch>={_text(FLOOR)} in the job's "
+        f"environment (pip install 'torch>={_text(FLOOR)}', or a container image that carries it)")
+
+
+@contextlib.contextmanager
+def torch_save_without_crc():
+    """``torch.save`` without its own CRC32 of each zip record, for the time of the block,
+    where the release has the option (``save.compute_crc32``); elsewhere torch.save sums
+    as always (slower, the same files: torch.load reads both)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        config = None
+    if config is None or not hasattr(getattr(config, "save", None), "compute_crc32"):
+        yield
+        return
+    with config.patch({"save.compute_crc32": False}):
+        yield
+
+
+_STORAGE_INFO_FIELDS = {"relative_path", "offset", "length", "transform_descriptors"}
+
+
+@functools.lru_cache(maxsize=None)
+def dcp_reader_internals() -> str:
+    """"" when DCP's ``FileSystemReader`` internals the one-pass reader needs are as in
+    2.11-2.13 on the running torch; else what differs (the reader then takes DCP's own way)."""
+    try:
+        from torch.distributed.checkpoint import filesystem
+    except ImportError as exc:
+        return f"torch.distributed.checkpoint.filesystem: {exc}"
+    info = getattr(filesystem, "_StorageInfo", None)
+    if info is None or not dataclasses.is_dataclass(info):
+        return "no dataclass filesystem._StorageInfo"
+    missing = _STORAGE_INFO_FIELDS - {f.name for f in dataclasses.fields(info)}
+    if missing:
+        return f"filesystem._StorageInfo has no {', '.join(sorted(missing))}"
+    reader = filesystem.FileSystemReader(".")  # no I/O before read_metadata
+    if not isinstance(getattr(reader, "storage_data", None), dict):
+        return "FileSystemReader has no storage_data dict"
+    if not callable(getattr(getattr(reader, "transforms", None), "transform_load_stream", None)):
+        return "FileSystemReader.transforms has no transform_load_stream"
+    return ""
+
+
+def _missing(what: str, use: str) -> UnsupportedTorch:
+    return UnsupportedTorch(f"torch {torch.__version__} has no {what} (private torch, read on {_text(FLOOR)} to "
+                            f"{_text(NEWEST_TESTED)}), which {use}: use torch {_text(FLOOR)} to {_text(NEWEST_TESTED)}, "
+                            f"or adapt train/torch_compat.py")
+
+
+def flatten_mesh(mesh, name: str):
+    """``mesh._flatten(name)``: a 1-D mesh over all of ``mesh``'s dims (cached by torch per
+    name: a second call returns the same mesh)."""
+    if not callable(getattr(mesh, "_flatten", None)):
+        raise _missing("DeviceMesh._flatten", f"the data-parallel mesh {name!r} is built with")
+    return mesh._flatten(name)
+
+
+def checkpoint_wrapper(module: torch.nn.Module, preserve_rng_state: bool) -> torch.nn.Module:
+    """torch's activation-checkpoint wrapper of ``module`` (non-reentrant)."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+    except ImportError:
+        raise _missing("torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+                       "activation checkpointing (strategy.activation_checkpointing) uses") from None
+    return wrap(module, preserve_rng_state=preserve_rng_state)
