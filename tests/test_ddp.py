@@ -1,4 +1,8 @@
-"""Tier 3: DDP on 2 gloo ranks equals one process on the same global batch; torchrun works."""
+"""Tier 3: DDP on 2 gloo ranks equals one process on the same global batch; torchrun works.
+
+The first test starts the launcher and its ranks as a user does (``python -m launcher``,
+rank 0 ``python -m train``); the others fork them from one process that imported torch
+once (tests/warm.py)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +12,7 @@ import sys
 
 import pytest
 
+import warm
 from conftest import REPO, launcher, run_dir_of
 from launcher.local import free_port
 from spec.rundir import read_metrics, read_run_json
@@ -36,16 +41,16 @@ def test_two_ranks_match_one_process(tmp_path):
 
 
 def test_accumulation_matches_a_larger_micro_batch(tmp_path):
-    acc = launcher(COMMON + ["train.micro_batch_size=2", "train.grad_accum=2", f"data.cache_dir={tmp_path}/d"],
+    acc = warm.launcher(COMMON + ["train.micro_batch_size=2", "train.grad_accum=2", f"data.cache_dir={tmp_path}/d"],
                    cwd=tmp_path)
-    big = launcher(COMMON + ["train.micro_batch_size=4", f"data.cache_dir={tmp_path}/d"], cwd=tmp_path)
+    big = warm.launcher(COMMON + ["train.micro_batch_size=4", f"data.cache_dir={tmp_path}/d"], cwd=tmp_path)
     assert acc.returncode == 0 and big.returncode == 0, acc.stderr + big.stderr
     for a, b in zip(_losses(run_dir_of(acc.stdout)), _losses(run_dir_of(big.stdout))):
         assert abs(a - b) <= 1e-5 * abs(a)
 
 
 def test_same_entrypoint_under_torchrun_and_alone(tmp_path):
-    prep = launcher(COMMON + ["launcher.dry_run=true", f"data.cache_dir={tmp_path}/d"], cwd=tmp_path)
+    prep = warm.launcher(COMMON + ["launcher.dry_run=true", f"data.cache_dir={tmp_path}/d"], cwd=tmp_path)
     run_dir = run_dir_of(prep.stdout)
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -60,7 +65,7 @@ def test_same_entrypoint_under_torchrun_and_alone(tmp_path):
                            timeout=300)
     assert alone.returncode != 0 and "the job has 1 ranks but the layout needs 2" in alone.stderr
     # ... and a config of one rank runs as a plain process: no launcher, no torchrun, no Slurm.
-    prep1 = launcher(COMMON + ["cluster.gpus_per_node=1", "launcher.dry_run=true", f"data.cache_dir={tmp_path}/d"],
+    prep1 = warm.launcher(COMMON + ["cluster.gpus_per_node=1", "launcher.dry_run=true", f"data.cache_dir={tmp_path}/d"],
                      cwd=tmp_path)
     one = run_dir_of(prep1.stdout)
     plain = subprocess.run([sys.executable, "-m", "train", str(one)], env=env, capture_output=True, text=True,
@@ -73,7 +78,7 @@ def test_same_entrypoint_under_torchrun_and_alone(tmp_path):
 def test_scheduled_garbage_collection_changes_nothing(tmp_path):
     """train.gc_every_steps (automatic GC off, a young collection every N steps) is a
     speed setting only: the same losses, bitwise, as Python's automatic collection."""
-    runs = [launcher(COMMON + [f"train.gc_every_steps={n}", f"data.cache_dir={tmp_path}/d"], cwd=tmp_path)
+    runs = [warm.launcher(COMMON + [f"train.gc_every_steps={n}", f"data.cache_dir={tmp_path}/d"], cwd=tmp_path)
             for n in (2, 0)]
     assert all(r.returncode == 0 for r in runs), "".join(r.stdout + r.stderr for r in runs)
     scheduled, automatic = (_losses(run_dir_of(r.stdout)) for r in runs)

@@ -1,5 +1,11 @@
-"""Every strategy also runs under torchrun (the same ``python -m train RUN_DIR`` entrypoint
-that Slurm tasks run), not only through the launcher: 2 ranks (pp_fsdp_tp: 4), 3 steps."""
+"""The strategies also run under torchrun (the same ``python -m train RUN_DIR`` entrypoint
+that Slurm tasks run), not only through the launcher: 2 ranks (pp_fsdp_tp: 4), 3 steps.
+
+What torchrun changes is the ranks' start (no fork, each its own imports) and their
+environment, which only the engines' builders read: one strategy for each builder, each
+ZeRO optimizer family, pipeline and tensor parallel and CPU offload
+(:func:`test_the_strategies_run_cover_every_builder` keeps it so); DDP under torchrun is
+tests/test_ddp.py's. Every strategy's training is tests/test_strategies.py's."""
 from __future__ import annotations
 
 import os
@@ -9,19 +15,39 @@ import sys
 
 import pytest
 
-from conftest import REPO, launcher, run_dir_of
-from helpers import strategy_options
+from conftest import REPO, run_dir_of
+from helpers import compose_run, strategy_options
+import warm  # the dry run that writes the run directory: forked warm (tests/warm.py)
 from launcher.local import free_port
 from spec.rundir import read_metrics, read_run_json
 
 pytestmark = pytest.mark.slow
 RANKS = {"pp_fsdp_tp": 4}  # pp 2 x tp 2
+STRATEGIES = ["fsdp", "pp_fsdp_tp", "zero1", "zero3_offload"]
 
 
-@pytest.mark.parametrize("strategy", strategy_options())
+def _paths(strategy: str) -> set:
+    """What of the rank's code a strategy takes that the environment could reach."""
+    from spec.layout import build_layout
+    from spec.support import BUILDERS, builder_key
+
+    cfg = compose_run([f"+strategy={strategy}", f"cluster.gpus_per_node={RANKS.get(strategy, 2)}"])
+    layout, s = build_layout(cfg), cfg.strategy
+    zero = {0: "", 1: "zero1-2", 2: "zero1-2", 3: "zero3"}[s.zero_stage] if s.engine == "deepspeed" else ""
+    return {BUILDERS[builder_key(cfg)], "pp" if layout.pp > 1 else "", "tp" if layout.tp_enabled else "", zero,
+            "offload" if s.offload_optimizer else ""} - {""}
+
+
+def test_the_strategies_run_cover_every_builder():
+    every = set().union(*(_paths(s) for s in strategy_options()))
+    covered = set().union(*(_paths(s) for s in STRATEGIES + ["ddp"]))  # ddp: tests/test_ddp.py
+    assert every == covered, every - covered
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_under_torchrun(tmp_path, strategy):
     ranks = RANKS.get(strategy, 2)
-    prep = launcher([f"+strategy={strategy}", f"cluster.gpus_per_node={ranks}", "train.steps=3", "train.seq_len=32",
+    prep = warm.launcher([f"+strategy={strategy}", f"cluster.gpus_per_node={ranks}", "train.steps=3", "train.seq_len=32",
                      "data.num_tokens=50000", f"data.cache_dir={tmp_path}/d", "launcher.dry_run=true"], cwd=tmp_path)
     assert prep.returncode == 0, prep.stdout + prep.stderr
     run_dir = run_dir_of(prep.stdout)
