@@ -37,10 +37,12 @@ EXCLUDING_FAILURES = {"node_failure": "node failure", "preflight_outlier": "pref
                       "hardware_fault": "hardware fault"}
 # run.json "failure" values of a task that refused to start, before any collective
 # (spec/device.py): no usable CUDA for cluster.accelerator=gpu, or GPUs shown to the task
-# otherwise than cluster.gpu_binding says. Not a node's fault: the job ends, no requeue.
+# otherwise than cluster.gpu_binding says, or a torch older than the floor
+# (train/torch_compat.py). Not a node's fault: the job ends, no requeue.
 NO_CUDA = "no_cuda"
 GPU_BINDING = "gpu_binding"
-START_REFUSALS = (NO_CUDA, GPU_BINDING)
+TORCH_VERSION = "torch_version"
+START_REFUSALS = (NO_CUDA, GPU_BINDING, TORCH_VERSION)
 # run.json fields that describe the last segment's failure: cleared when a segment starts
 # (what was excluded for it stays in excluded_nodes / node_exclusions).
 SEGMENT_FAILURE = {key: None for key in ("error", "failure", "suspect_nodes", "dead_ranks", "dead_hosts", "fault",

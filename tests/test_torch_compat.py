@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from spec.rundir import START_REFUSALS, TORCH_VERSION
 from train import torch_compat
 from train.checkpoint import dcp_reader
 from train.checkpoint.manifest import CorruptCheckpoint, file_crc32
@@ -34,6 +35,7 @@ def test_an_older_torch_is_refused_in_one_line_before_any_process_group(monkeypa
     with pytest.raises(torch_compat.UnsupportedTorch) as info:
         harness_dist.init_distributed(30)
     line = str(info.value)
+    assert info.value.failure == TORCH_VERSION and TORCH_VERSION in START_REFUSALS  # run.json: failed, job ended
     assert "\n" not in line
     assert f"torch {found} is older than 2.11" in line  # the version found and the floor
     assert "install torch>=2.11" in line  # the fix

@@ -45,6 +45,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from spec.device import DeviceError
+from spec.rundir import TORCH_VERSION
+
 FLOOR: Tuple[int, int] = (2, 11)
 # The newest release the whole suite runs on (constraints-cpu.txt); the private uses
 # above were read in FLOOR's and this release's sources.
@@ -55,9 +58,14 @@ def _text(version: Tuple[int, int]) -> str:
     return f"{version[0]}.{version[1]}"
 
 
-class UnsupportedTorch(RuntimeError):
-    """A task whose torch is older than :data:`FLOOR`: one line naming the host, the
-    version found, the floor and the fix."""
+class UnsupportedTorch(DeviceError):
+    """A task whose torch is older than :data:`FLOOR`, or lacks a private piece fenced
+    here: one line naming the host, the version found, the floor and the fix. A
+    :class:`~spec.device.DeviceError`, so a task refused at start records run.json
+    ``failed`` with ``failure: torch_version`` and ends the job, as for no CUDA."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line, TORCH_VERSION)
 
 
 def torch_version(text: Optional[str] = None) -> Tuple[int, int]:
