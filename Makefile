@@ -40,6 +40,39 @@ GPU_PYTHON ?= $(BIN)/python
 test-gpu:
 	STO_TEST_GPU=1 $(GPU_PYTHON) -m pytest -m gpu $(PYTEST_ARGS)
 
+## test-torch-floor: the multi-rank strategy, checkpoint (both DCP readers) and Hugging Face
+## tests on the lowest torch supported (constraints-floor.txt; train/torch_compat.py), in
+## .venv-floor: PyPI's CUDA wheel (about 3 GB with its nvidia-* packages) runs on CPU, CUDA
+## hidden. The cases that go through torch's APIs, one per engine rather than every case (all
+## of them: 15 minutes; this set: under 10 on 2 cores); left out: signals, DeepSpeed's own
+## checkpoints and conversion. A test id that no longer exists fails the run (pytest exits
+## 4), as does a run that collects nothing (5).
+FLOOR_VENV := .venv-floor
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+FLOOR_TESTS := tests/test_torch_compat.py tests/test_checkpoint_reader.py tests/test_checkpoint_snapshot.py \
+  $(foreach t,periodic_checkpoints_are_committed_and_pruned kill_during_save_keeps_previous_and_resumes_exactly \
+    rank1_share_of_the_checksums_is_verified_on_resume truncated_or_corrupt_checkpoint_is_skipped \
+    async_save_commits_and_does_not_change_training checkpoint_on_demand,tests/test_checkpoint.py::test_$(t)) \
+  $(foreach c,ddp-1x4 fsdp-1x2 hsdp-2x2 zero2-1x2-2 zero3-1x2 tp-1x2 fsdp_tp-1x2-selective \
+    pp-1x2-interleaved_1f1b pp_fsdp_tp-1x4-full,'tests/test_strategies.py::test_matches_single_process[$(c)]') \
+  $(foreach c,fsdp tp,'tests/test_resume_strategies.py::test_kill_in_save_then_resume_is_exact[$(c)]') \
+  tests/test_reshard.py::test_fsdp_resumed_with_tensor_parallel \
+  tests/test_hf.py::test_forward_matches_transformers tests/test_hf.py::test_bad_checkpoints_are_refused_naming_what_is_wrong \
+  $(foreach c,fsdp zero3 tp pp,'tests/test_hf.py::test_import_then_export_gives_back_the_tensors[$(c)]') \
+  'tests/test_hf.py::test_trained_export_loads_in_transformers_with_our_logits[fsdp]'
+.PHONY: test-torch-floor
+test-torch-floor: $(FLOOR_STAMP)
+	CUDA_VISIBLE_DEVICES= TORCH_EXTENSIONS_DIR=$(CURDIR)/.cache/torch_extensions_floor \
+	  $(FLOOR_VENV)/bin/python -m pytest -m "not slurm" -p no:cacheprovider $(FLOOR_TESTS) $(PYTEST_ARGS)
+
+$(FLOOR_STAMP): pyproject.toml constraints-floor.txt
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip >/dev/null
+	$(FLOOR_VENV)/bin/python -m pip install -q -c constraints-floor.txt --config-settings editable_mode=compat -e '.[dev]'
+	$(FLOOR_VENV)/bin/python -c "import torch; from train.torch_compat import FLOOR, torch_version; \
+	  assert torch_version() == FLOOR, f'{torch.__version__} installed, floor {FLOOR}'"
+	touch $@
+
 cluster-up: setup
 	bash slurm/cluster/up.sh
 
