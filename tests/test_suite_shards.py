@@ -2,8 +2,11 @@
 runs in exactly one part, whole files stay together, and the parts are balanced."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO, shard_files
 
@@ -16,23 +19,53 @@ def test_files_are_dealt_heaviest_first_to_the_lightest_part():
     assert shard_files(weights, 2) == parts  # the same on every call (and machine)
 
 
-def _collect(*args: str) -> list:
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-                         cwd=REPO, capture_output=True, text=True).stdout
-    return sorted(line for line in out.splitlines() if "::" in line)
+# pytest's collection, once per argument list, in one process: the test modules (torch
+# among their imports: ~15 s of CPU a collection) are imported by the first only.
+COLLECT = """
+import contextlib, io, json, sys
+import pytest
+runs = {}
+for key, args in json.loads(sys.argv[1]).items():
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *args])
+    ids = sorted(line for line in out.getvalue().splitlines() if "::" in line)
+    runs[key] = {"ids": ids, "code": int(code), "output": out.getvalue() + err.getvalue()}
+print(json.dumps(runs))
+"""
+RUNS = {"every": ["-m", "slurm"], "whole": ["-m", "slurm_whole"], "bad": ["--shard=3/2"],
+        **{f"part{k}": ["-m", "slurm and not slurm_whole", f"--shard={k}/2"] for k in (1, 2)}}
 
 
-def test_the_slurm_runs_split_the_slurm_tests_exactly():
-    every = _collect("-m", "slurm")
-    parts = [_collect("-m", "slurm and not slurm_whole", f"--shard={k}/2") for k in (1, 2)]
-    whole = _collect("-m", "slurm_whole")
+@pytest.fixture(scope="module")
+def collections() -> dict:
+    proc = subprocess.run([sys.executable, "-c", COLLECT, json.dumps(RUNS)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_the_slurm_runs_split_the_slurm_tests_exactly(collections):
+    every, whole = collections["every"]["ids"], collections["whole"]["ids"]
+    parts = [collections[f"part{k}"]["ids"] for k in (1, 2)]
     assert every and all(parts) and whole
     assert sorted(parts[0] + parts[1] + whole) == every
     files = [{t.split("::")[0] for t in part} for part in parts]
     assert not files[0] & files[1]  # a file's module fixtures are built in one run only
 
 
-def test_a_bad_shard_is_refused():
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--shard=3/2"], cwd=REPO,
-                          capture_output=True, text=True)
-    assert proc.returncode != 0 and "--shard=3/2: expected K/N" in proc.stderr + proc.stdout
+def test_a_bad_shard_is_refused(collections):
+    bad = collections["bad"]
+    assert bad["code"] != 0 and "--shard=3/2: expected K/N" in bad["output"]
+
+
+def test_durations_are_read_from_a_durations_run():
+    """tests/durations.py sums each test's setup, call and teardown from ``--durations=0``."""
+    from durations import seconds
+
+    log = ["============================= slowest durations ==============================",
+           "12.50s setup    tests/test_a.py::test_one[x-1]",
+           "3.25s call     tests/test_a.py::test_one[x-1]",
+           "0.01s teardown tests/test_a.py::test_one[x-1]",
+           "2.00s call     tests/test_b.py::test_two",
+           "(3 durations < 0.005s hidden.  Use -vv to show these durations.)"]
+    assert seconds(log) == {"tests/test_a.py::test_one[x-1]": 15.76, "tests/test_b.py::test_two": 2.0}
