@@ -13,8 +13,9 @@ import os
 
 import pytest
 
-from conftest import REPO, launcher, run_dir_of
+from conftest import REPO, run_dir_of
 from helpers import compose_run
+from warm import launcher  # forked from one process that imported torch once (tests/warm.py)
 from spec.layout import build_layout
 from spec.rundir import read_metrics, read_run_json
 
