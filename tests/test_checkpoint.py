@@ -10,8 +10,11 @@ import time
 
 import pytest
 
-from conftest import REPO, launcher, run_dir_of
+from conftest import REPO, run_dir_of
 from helpers import assert_committed, assert_same_state
+# Forked from one process that imported torch once (tests/warm.py); the signal test starts
+# the launcher for real (it finds the ranks by their command line).
+from warm import launcher
 from train.checkpoint import find_latest, verify
 from spec.rundir import read_metrics, read_run_json
 
