@@ -121,8 +121,8 @@ def exited_ok(row: Row, proc: subprocess.CompletedProcess) -> str:
 def rows(scratch: Path) -> List[Row]:
     """Every row, in the order they run (cheapest first where the order does not matter)."""
     out: List[Row] = []
-    for name in ("health",):
-        out.append(Row(name, [sys.executable, str(REPO / "bench/gpu_check_rows.py"), name], exited_ok, launch=False))
+    out.append(Row("health", [sys.executable, str(REPO / "bench/gpu_check_rows.py"), "health"], exited_ok,
+                   launch=False))
     for strategy, extra in ENGINES.items():
         run_dir = scratch / f"engine_{strategy}"
         steps = ["train.steps=6", "checkpoint.every_steps=3"] if strategy in RESUMED else ["train.steps=6"]

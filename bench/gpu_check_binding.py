@@ -23,9 +23,10 @@ TASK = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "
 
 def _prepare(binding: str, scratch: Path) -> Path:
     run_dir = scratch / f"binding_{binding}"
-    argv = [sys.executable, "-m", "launcher", "+cluster=local", "cluster.accelerator=gpu", "cluster.gpus_per_node=1",
-            f"cluster.gpu_binding={binding}", "+strategy=zero2", "train.steps=3", "train.seq_len=128",
-            "train.preflight=false", f"launcher.run_dir={run_dir}", "launcher.dry_run=true"]
+    from bench.gpu_check import GPU, SHORT, launcher_argv  # the other rows' one-GPU profile and short run
+
+    argv = launcher_argv(*GPU, f"cluster.gpu_binding={binding}", "+strategy=zero2", *SHORT, "train.steps=3",
+                         f"launcher.run_dir={run_dir}", "launcher.dry_run=true")
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise SystemExit(f"dry run failed: {proc.stdout[-800:]}{proc.stderr[-800:]}")
