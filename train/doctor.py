@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import socket
 import time
 from pathlib import Path
@@ -77,16 +76,12 @@ def _pci(props) -> Optional[str]:
 
 
 def versions() -> Dict[str, Any]:
-    import torch
+    """The versions every node must agree on, as the harness records each node's
+    (train/harness/node_facts.py: one collector of them)."""
+    from train.harness.node_facts import node_facts
 
-    nccl = None
-    if torch.cuda.is_available():
-        try:
-            nccl = ".".join(map(str, torch.cuda.nccl.version()))
-        except (AttributeError, RuntimeError):
-            nccl = None
-    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "nccl": nccl}
+    facts = node_facts()
+    return {key: facts[key] for key in ("python", "torch", "cuda", "nccl")}
 
 
 def rank_facts(ctx, cfg: RunConfig) -> Dict[str, Any]:
