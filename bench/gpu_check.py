@@ -1,6 +1,6 @@
 """`make gpu-check`: the CUDA paths, each run for real on the GPU(s) of this machine.
 
-    python bench/gpu_check.py [--out DIR] [--only NAME ...] [--budget-s 270]
+    python bench/gpu_check.py [--out DIR] [--only NAME ...] [--budget-s 330]
     python bench/gpu_check.py --dry        # CPU/CI: build every row's command and check it
 
 Every row is one command (a launch of the toolkit, or a short Python check) with its
@@ -21,7 +21,10 @@ slot still leaves what it did. Rows (one GPU is enough):
 - ``accelerate/S`` (zero2, fsdp): examples/accelerate_train.py gets the engine of the
   strategy from Accelerate (DeepSpeed, FSDP);
 - ``health``: this machine's nvidia-smi outputs through train/harness/health.py;
-- ``doctor``: ``python -m launcher.doctor`` on this machine.
+- ``doctor``: ``python -m launcher.doctor`` on this machine;
+- ``speed/S`` (ddp, ddp+compile, fsdp+compile, zero2): Llama 3.2 1B, bf16, seq 2048, micro-batch
+  4 on one GPU: the median tokens/s, MFU (against ``SPEED_PEAK_TFLOPS``, the H100/H200 dense
+  bf16 figure) and peak memory of the steps after the first five, from metrics.jsonl.
 
 With ``--dry`` no row runs: each launch row's command is checked by the launcher's own
 dry run (compose, layout, memory gate) and each check row's code is compiled, so the
@@ -49,6 +52,12 @@ ENGINES = {"ddp": [], "fsdp": [], "zero1": [], "zero2": [], "zero3": [], "zero3_
            "tp": ["strategy.tensor_parallel=1"], "pp": ["strategy.pipeline_parallel=1"]}
 RESUMED = ("fsdp", "zero2")
 RESUME_RTOL = 0.02   # bf16 on GPU, reductions in another order after a restart
+SPEED = {"ddp": ["+strategy=ddp"], "ddp+compile": ["+strategy=ddp", "strategy.compile=true"],
+         "fsdp+compile": ["+strategy=fsdp", "strategy.compile=true"], "zero2": ["+strategy=zero2"]}
+SPEED_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16 (the datasheet's, not a measurement)
+SPEED_RUN = ["+model=llama3_1b", "train.seq_len=2048", "train.micro_batch_size=4", "train.steps=20",
+             "data.num_tokens=400000", "train.preflight=false", "optim.lr=3e-4",
+             f"cluster.peak_tflops_bf16={SPEED_PEAK_TFLOPS}"]
 
 
 @dataclass
@@ -63,6 +72,7 @@ class Row:
     before: Optional["Row"] = None  # runs first (its failure fails this row)
     timeout_s: float = 180.0
     run_dir: Optional[Path] = None
+    report: Optional[Callable[["Row"], str]] = None  # what a passed row measured, for the table
 
 
 def launcher_argv(*args: str) -> List[str]:
@@ -91,6 +101,14 @@ def trained(row: Row, proc: subprocess.CompletedProcess) -> str:
         return f"{len(losses)} losses in metrics.jsonl"
     first, last = losses[min(losses)], losses[max(losses)]
     return "" if last < first else f"loss did not fall: {first:.4f} -> {last:.4f}"
+
+
+def on_nccl(row: Row, proc: subprocess.CompletedProcess) -> str:
+    """A completed run on NCCL (a speed row: 20 steps of a 1B model need not lower the loss)."""
+    if proc.returncode != 0:
+        return f"exit {proc.returncode}"
+    backend = _run_json(row.run_dir).get("backend")
+    return "" if backend == "nccl" else f"backend {backend!r} in run.json, not nccl"
 
 
 def resumed_like(reference: Path) -> Callable[[Row, subprocess.CompletedProcess], str]:
@@ -153,7 +171,28 @@ def rows(scratch: Path) -> List[Row]:
             "entrypoint_args=[--steps,3]", f"launcher.run_dir={run_dir}"), accelerate_engine(engine), run_dir=run_dir))
     out.append(Row("doctor", [sys.executable, "-m", "launcher.doctor", *GPU, f"launcher.run_dir={scratch / 'doctor'}"],
                    exited_ok, run_dir=scratch / "doctor"))
+    for name, extra in SPEED.items():
+        run_dir = scratch / f"speed_{name.replace('+', '_')}"
+        out.append(Row(f"speed/{name}", launcher_argv(*GPU, *extra, *SPEED_RUN, f"launcher.run_dir={run_dir}"),
+                       on_nccl, run_dir=run_dir, timeout_s=300.0, report=speed))
     return out
+
+
+def speed(row: Row) -> str:
+    """Median tokens/s, MFU and the busiest rank's peak memory over the steps after the fifth."""
+    from statistics import median
+
+    from spec.rundir import read_metrics
+
+    steady = [r for r in read_metrics(row.run_dir) if r.get("tokens_per_s") and r["step"] > 5]
+    if not steady:
+        return "no steps after the fifth in metrics.jsonl"
+    tps = median(r["tokens_per_s"] for r in steady)
+    mfu = median(r["mfu"] for r in steady if r.get("mfu") is not None) if steady[0].get("mfu") is not None else None
+    mem = max(r.get("peak_mem_bytes") or 0 for r in steady) / 2**30
+    mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+    return f"{tps:,.0f} tokens/s, MFU {mfu_text}, step {median(r['step_time_s'] for r in steady):.3f} s, " \
+           f"peak {mem:.1f} GiB ({len(steady)} steps)"
 
 
 def accelerate_engine(engine: str) -> Callable[[Row, subprocess.CompletedProcess], str]:
@@ -204,6 +243,13 @@ def judge(row: Row, proc: subprocess.CompletedProcess) -> str:
         return f"check failed: {type(exc).__name__}: {exc}"
 
 
+def _report(row: Row) -> str:
+    try:
+        return row.report(row) if row.report else ""
+    except Exception as exc:  # noqa: BLE001 - a report that cannot read its files says so; the row passed
+        return f"report failed: {type(exc).__name__}: {exc}"
+
+
 def run_rows(selected: List[Row], table: Table, budget_s: float) -> int:
     deadline, failed = time.time() + budget_s, 0
     for row in selected:
@@ -220,7 +266,8 @@ def run_rows(selected: List[Row], table: Table, budget_s: float) -> int:
                 why = f"{step.name}: {why}" if step is not row else why
                 break
         tail = (proc.stdout + proc.stderr)[-1500:] if why and proc is not None else ""
-        table.add(row.name, "FAIL" if why else "pass", time.time() - start, why, tail)
+        detail = why or _report(row)
+        table.add(row.name, "FAIL" if why else "pass", time.time() - start, detail, tail)
         failed += bool(why)
     return failed
 
@@ -244,7 +291,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT", str(REPO / "runs" / "gpu-check")))
     parser.add_argument("--only", nargs="*", default=None, help="row names or prefixes (engine, resume/fsdp, ...)")
-    parser.add_argument("--budget-s", type=float, default=270.0, help="rows not started by then are skipped")
+    parser.add_argument("--budget-s", type=float, default=330.0, help="rows not started by then are skipped")
     parser.add_argument("--dry", action="store_true", help="build and check every command, run none (no GPU)")
     parser.add_argument("--scratch", default=None, help="where runs go (default: a new temporary directory)")
     args = parser.parse_args(argv)

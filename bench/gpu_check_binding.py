@@ -56,7 +56,9 @@ def binding_row(binding: str, scratch: Path, dry: bool) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, **TASK, "MASTER_PORT": str(port), "PYTHONPATH": str(REPO)}
+    # the caller's PYTHONPATH stays after the tree: it holds the wheels gpu_check.sh installed
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, **TASK, "MASTER_PORT": str(port), "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, "-m", "train", str(run_dir)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=240)
     print(proc.stdout[-2000:] + proc.stderr[-2000:])

@@ -47,8 +47,11 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt, loader = accelerator.prepare(model, opt, loader)
+    # DeepSpeed under bf16 holds the weights in bf16 and casts no inputs (token ids need none;
+    # float features do); FSDP keeps fp32 weights and autocasts.
+    dtype = next(model.parameters()).dtype
     for step, (xb, yb) in enumerate(loader, start=1):
-        loss = F.mse_loss(model(xb).squeeze(-1), yb)
+        loss = F.mse_loss(model(xb.to(dtype)).squeeze(-1).float(), yb)
         accelerator.backward(loss)
         opt.step()
         opt.zero_grad()

@@ -11,7 +11,8 @@ from conftest import REPO
 
 ROWS = {"health", "binding/task", "binding/node", "hf/zero3", "hf/zero3:write", "accelerate/zero2",
         "accelerate/fsdp", "doctor", "resume/fsdp", "resume/fsdp:crash", "resume/zero2", "resume/zero2:crash",
-        *(f"engine/{s}" for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "pp"))}
+        *(f"engine/{s}" for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "pp")),
+        *(f"speed/{s}" for s in ("ddp", "ddp+compile", "fsdp+compile", "zero2"))}
 
 
 def _gpu_check(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -37,3 +38,16 @@ def test_without_cuda_it_refuses_at_once(tmp_path):
 def test_an_unknown_row_is_named(tmp_path):
     proc = _gpu_check("--dry", "--only", "engine/nope", "--out", str(tmp_path), cwd=tmp_path)
     assert proc.returncode == 2 and "no such row" in proc.stdout and "engine/ddp" in proc.stdout
+
+
+def test_speed_row_reports_the_steady_steps(tmp_path):
+    """A speed row's figures are the medians of the steps after the fifth (warm-up and compile
+    left out) and the busiest peak over them, read from the run's metrics.jsonl."""
+    sys.path.insert(0, str(REPO))
+    from bench.gpu_check import Row, exited_ok, speed
+
+    rows = [{"step": s, "loss": 1.0, "tokens_per_s": 10.0 if s <= 5 else 1000.0 + s, "mfu": 0.01 if s <= 5 else 0.3,
+             "step_time_s": 0.5, "peak_mem_bytes": (s % 3) * 2**30} for s in range(1, 11)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert speed(Row("speed/x", [], exited_ok, run_dir=tmp_path)) == \
+        "1,008 tokens/s, MFU 30.0%, step 0.500 s, peak 2.0 GiB (5 steps)"
