@@ -179,7 +179,7 @@ def analyse(res: dict) -> dict:
         end, requeued, start = attempts[k]["end"], epoch(attempts[k + 1]["Submit"]), attempts[k + 1]["start"]
         t_exited, _ = after(sub, EXITING, t_requeue)
         if t_exited is None or t_exited > requeued:  # none in this attempt: the task ended with
-            t_exited = math.nan                     # os._exit after its requeue (train/harness/job.py)
+            t_exited = math.nan                     # os._exit after its requeue (train/job.py)
         t_python, _ = after(sub, STARTING, start - 1)
         t_built, _ = after(events, BUILT, start - 1)
         t_resumed, _ = after(events, RESUMED, t_built)

@@ -4,7 +4,7 @@ One sweep point is one job (or one element of a job array of identical jobs, see
 :func:`submit_array`): ``nodes`` x ``gpus_per_node`` srun tasks, one per GPU (per CPU
 slot on CPU clusters). submitit writes the batch script, per-rank logs
 (``slurm/%j_%t_log.out``; ``%A_%a_%t`` for array elements) and the pickled task call
-(``train.harness.job:main(RUN_DIR)``, :class:`slurm.submitit_adapter.TaskCall`) under
+(``train.job:main(RUN_DIR)``, :class:`slurm.submitit_adapter.TaskCall`) under
 ``RUN_DIR/slurm``; the script used is copied to ``RUN_DIR/sbatch.sh``.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from spec.config import ConfigError, RunConfig
 from spec.layout import Layout
 
 DEFAULT_LOCAL_DIR = "/tmp/localslurm"
-TASK = "train.harness.job:main"  # what every task of a job runs, with the run directory
+TASK = "train.job:main"  # what every task of a job runs, with the run directory
 
 
 def task_call(run_dir: Path) -> TaskCall:

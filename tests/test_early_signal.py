@@ -32,7 +32,7 @@ class SignalOnTorch:
 sys.meta_path.insert(0, SignalOnTorch())
 entry, run_dir = sys.argv[1:]
 if entry == "job":  # what every Slurm task runs (submitit unpickles it and calls it)
-    from train.harness.job import TrainJob
+    from train.job import TrainJob
     sys.exit(TrainJob(run_dir)())
 sys.argv = ["train", run_dir]  # python -m train RUN_DIR (local runs, torchrun)
 runpy.run_module("train", run_name="__main__", alter_sys=True)

@@ -250,7 +250,7 @@ def saved_run(tmp_path: Path, **sections) -> Path:
     (["strategy=nope"], "unknown strategy 'nope'"),
 ], ids=["model", "data", "seq_len", "engine", "batch", "field", "sweep", "profile"])
 def test_a_change_the_checkpoint_cannot_take_is_refused(tmp_path, capsys, overrides, words):
-    from launcher.track.resume import main
+    from launcher.relaunch import main
 
     run = saved_run(tmp_path)
     before = (run / CONFIG).read_text()
@@ -262,7 +262,7 @@ def test_a_change_the_checkpoint_cannot_take_is_refused(tmp_path, capsys, overri
 
 @pytest.mark.parametrize("stage,overrides", [(0, ["strategy.zero_stage=1"]), (2, ["strategy.zero_stage=0"])])
 def test_deepspeed_reshapes_it_cannot_load_are_refused(tmp_path, capsys, stage, overrides):
-    from launcher.track.resume import main
+    from launcher.relaunch import main
 
     run = saved_run(tmp_path, strategy__engine="deepspeed", strategy__name=f"zero{stage}", strategy__zero_stage=stage)
     assert main([str(run), *overrides]) == 2
@@ -286,7 +286,7 @@ def test_the_new_shape_goes_through_the_memory_planner(tmp_path, capsys):
     """Saved on 8 A100s (FSDP, Llama 3 8B): on 1 GPU it is predicted not to fit, refused;
     on 2 nodes (a new global batch, asked for) it passes, and a dry run changes nothing."""
     from helpers import compose_run
-    from launcher.track.resume import main
+    from launcher.relaunch import main
 
     run = tmp_path / "run"
     run.mkdir()

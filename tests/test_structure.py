@@ -3,7 +3,12 @@
 - imports run one way: ``launcher -> spec, slurm``; ``train -> spec, slurm``; ``spec``
   imports nothing but the standard library and omegaconf/hydra; ``slurm`` imports neither
   side; ``train`` never imports ``launcher`` (lazy imports inside functions count too);
-- no import circle among the project's modules (module-level imports);
+- no import circle among the project's modules, imports inside functions included (a lazy
+  import hides a circle from Python, not from the reader);
+- rooms do not point back at their parent: a room (a package inside ``launcher``,
+  ``train``, ...) uses only its parent's ground modules, those that import none of the
+  parent's rooms (``train.model``, ``launcher.compose``), never the ones above the rooms
+  (``launcher.launch``, ``train.main``), functions included;
 - no source module over 400 lines, no function over 60 lines unless a ``# long:`` comment
   on the lines just above its ``def`` says why.
 
@@ -14,7 +19,7 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, List, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
 
@@ -93,13 +98,17 @@ def test_imports_run_one_way(room: str) -> None:
     assert not bad, "\n".join(sorted(bad))
 
 
-def test_no_import_circle() -> None:
-    graph: Dict[str, Set[str]] = {name: {i for i in _imports(path, top_level_only=True) if i in MODULES and i != name}
-                                  for name, path in MODULES.items()}
-    # A package's __init__ is imported with each of its submodules: an edge from a module to
-    # its own package is what Python does, not a circle in the code.
-    for name in graph:
-        graph[name] = {i for i in graph[name] if not name.startswith(i + ".")}
+def _graph() -> Dict[str, Set[str]]:
+    """module -> the project's modules it imports anywhere (functions included).
+
+    A package's __init__ is imported with each of its submodules: an edge from a module to
+    its own package is what Python does, not a circle in the code."""
+    return {name: {i for i in _imports(path, top_level_only=False)
+                   if i in MODULES and i != name and not name.startswith(i + ".")}
+            for name, path in MODULES.items()}
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[Tuple[str, ...]]:
     cycles: List[Tuple[str, ...]] = []
     state: Dict[str, int] = {}
 
@@ -117,7 +126,48 @@ def test_no_import_circle() -> None:
     for name in sorted(graph):
         if name not in state:
             visit(name, [])
+    return cycles
+
+
+def test_no_import_circle() -> None:
+    cycles = _cycles(_graph())
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _room_of(name: str) -> Optional[str]:
+    """The room (a package below a top-level one: ``launcher.track``) a module is in."""
+    parts = name.split(".")
+    room = ".".join(parts[:2])
+    return room if len(parts) > 2 or (len(parts) == 2 and MODULES[name].name == "__init__.py") else None
+
+
+def _back_pointers(graph: Dict[str, Set[str]]) -> List[str]:
+    """Imports from a room into its parent's modules that import a room of that parent
+    (directly or through other modules of the parent)."""
+    def above_rooms(module: str, seen: Set[str]) -> bool:
+        seen.add(module)
+        for dep in graph[module]:
+            if _room_of(dep) is not None and dep.startswith(module.split(".")[0] + "."):
+                return True
+            if _room_of(dep) is None and dep not in seen and above_rooms(dep, seen):
+                return True
+        return False
+
+    bad = []
+    for name, deps in sorted(graph.items()):
+        room = _room_of(name)
+        if room is None:
+            continue
+        for dep in sorted(deps):
+            parent = room.rsplit(".", 1)[0]
+            if _room_of(dep) is None and dep.startswith(parent + ".") and above_rooms(dep, set()):
+                bad.append(f"{name} -> {dep} (room {room} points back at its parent {parent})")
+    return bad
+
+
+def test_rooms_do_not_point_back() -> None:
+    bad = _back_pointers(_graph())
+    assert not bad, "\n".join(bad)
 
 
 def test_modules_are_small() -> None:
@@ -149,3 +199,8 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
     assert {"torch", "launcher"} <= set(_imports(src, top_level_only=False))
     assert set(_imports(src, top_level_only=True)) == {"torch"}
     assert len(MODULES) > 40 and "spec.config" in MODULES and "train.strategies" in MODULES
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == [("a", "b", "a")]
+    back = {"launcher.track.status": {"launcher.launch", "launcher.overrides"}, "launcher.overrides": set(),
+            "launcher.launch": {"launcher.track.status"}}
+    assert _back_pointers(back) == ["launcher.track.status -> launcher.launch (room launcher.track points back "
+                                    "at its parent launcher)"]

@@ -1,4 +1,4 @@
-"""An interrupted Slurm task of the built-in trainer ends at once (train/harness/job.py:
+"""An interrupted Slurm task of the built-in trainer ends at once (train/job.py:
 os._exit after flushing its logs), so it does not outlive Slurm's SIGTERM in interpreter
 teardown; a user's code keeps its normal exit (its atexit hooks and threads)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from conftest import REPO
 SCRIPT = """
 import atexit, signal, sys
 import train.main
-from train.harness import job
+from train import job
 
 def fake_run(run_dir, flag):
     flag._handler(signal.SIGUSR2, None) if {signalled} else None  # the job was preempted

@@ -8,7 +8,7 @@ import sys
 from train.harness.preempt import PreemptionFlag
 
 if __name__ == "__main__":
-    flag = PreemptionFlag().install()  # before the slow imports: see train.harness.job
+    flag = PreemptionFlag().install()  # before the slow imports: see train.job
     from train.harness.forked import fork_ranks
     from train.main import main, warm_imports
 

@@ -1,12 +1,7 @@
-"""Hugging Face Llama weights in (any strategy) and out (any checkpoint), without ever
-holding the whole model on one rank or in the exporting process.
+"""Hugging Face Llama weights out of any checkpoint, without ever holding the whole model
+in the exporting process (the way in is :mod:`train.hf_load`).
 
-In: :func:`load_hf` fills the model parts a builder made (plain tensors, FSDP/TP
-DTensors, pipeline stages) from the safetensors files through DCP's Hugging Face storage
-reader: each rank reads only the slices it holds (``safe_open(...).get_slice``), in the
-checkpoint's dtype, copied into ours.
-
-Out: :func:`export` writes a run's newest committed checkpoint as a Hugging Face directory,
+:func:`export` writes a run's newest committed checkpoint as a Hugging Face directory,
 one safetensors shard (at most ``max_shard_bytes``) in memory at a time: DCP checkpoints
 are read key by key (DCP assembles each tensor from every rank's shards); DeepSpeed's
 through its own ``zero_to_fp32`` reader in lazy mode (ZeRO-1/2/3 partitions merged per
@@ -14,62 +9,22 @@ tensor as it is asked for).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import warnings
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch import nn
 
 from spec.config import ModelConfig
 from spec.hf import CONFIG, INDEX, hf_config, hf_name
+from train.hf_load import single_process
 # DeepSpeed's parameter names keep the wrappers' (DCP's get_state_dict drops them)
 from train.model import clean_name
 
 GENERATION = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
-
-def _source_name(ours: str, tied: bool) -> str:
-    """The Hugging Face tensor that fills our parameter ``ours`` (a tied head reads the embedding)."""
-    if tied and ours == "output.weight":
-        return hf_name("tok_embeddings.weight")
-    return hf_name(ours)
-
-
-@contextlib.contextmanager
-def _single_process():
-    """DCP's ``no_dist`` load, without its warning that no process group is in use (intended)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def load_hf(parts: Iterable[nn.Module], path: str, tied: bool) -> int:
-    """Copy the checkpoint at ``path`` into every parameter of ``parts``; returns the number
-    of tensors read. No collective: each rank reads its own slices (``no_dist``)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         set_model_state_dict)
-
-    count = 0
-    for part in parts:
-        ours = get_model_state_dict(part)
-        if tied and "tok_embeddings.weight" in ours:
-            ours.pop("output.weight", None)  # the same Parameter: filled through the embedding
-        theirs = {_source_name(name, tied): tensor for name, tensor in ours.items()}
-        with _single_process():
-            dcp.load(theirs, storage_reader=dcp.HuggingFaceStorageReader(path), no_dist=True)
-        loaded = {name: theirs[_source_name(name, tied)] for name in ours}
-        set_model_state_dict(part, loaded, options=StateDictOptions(strict=False))
-        count += len(loaded)
-    return count
-
-
-# ---- export -------------------------------------------------------------------------
 
 Reader = Callable[[List[str]], Dict[str, torch.Tensor]]
 _PREFIX = "app.model."  # the model's keys in our DCP checkpoints ({"app": AppState} -> "model")
@@ -89,7 +44,7 @@ def dcp_source(ckpt: Path) -> Tuple[Dict[str, Tuple[Tuple[int, ...], torch.dtype
 
     def read(names: List[str]) -> Dict[str, torch.Tensor]:
         want = {keys[n]: torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in names}
-        with _single_process():
+        with single_process():
             dcp.load(want, storage_reader=dcp.FileSystemReader(root), no_dist=True)
         return {n: want[keys[n]] for n in names}
     return shapes, read

@@ -3,7 +3,7 @@
 :func:`trainer` is the workload (model, data, strategies, checkpoints, loop);
 :func:`train.harness.run.run_task` is everything around it that any workload gets.
 Nothing here imports torch at module level: the entry points (``python -m train``,
-:class:`train.harness.job.TrainJob`) install the preemption flag first, then import this.
+:class:`train.job.TrainJob`) install the preemption flag first, then import this.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def run(run_dir: str | Path, flag: PreemptionFlag | None = None) -> int:
     """One task of a job (the built-in trainer or a user's entry point); records the
     outcome in run.json. Returns 0, or a user's script's exit status."""
     if flag is None:
-        flag = PreemptionFlag().install()  # before torch: see train.harness.job
+        flag = PreemptionFlag().install()  # before torch: see train.job
     if is_user_run(run_dir):
         from train.harness.user import run_user
 

@@ -280,7 +280,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Transf
 def materialise(parts: Iterable[nn.Module], seed: int, device: torch.device, hf_path: Optional[str] = None) -> None:
     """Allocate the (sharded) meta model parts on ``device`` and fill them: with their
     initial weights, or with a Hugging Face checkpoint's (``hf_path``: each rank reads
-    only its slices, :func:`train.hf_io.load_hf`). The trainer's one materialisation,
+    only its slices, :func:`train.hf_load.load_hf`). The trainer's one materialisation,
     between a builder's ``wrap`` and ``finish`` (train/strategies/base.py). A DDP or
     DeepSpeed wrapper does not exist yet."""
     parts = list(parts)
@@ -292,7 +292,7 @@ def materialise(parts: Iterable[nn.Module], seed: int, device: torch.device, hf_
         else:
             part.init_weights(seed, device)
     if hf_path:
-        from train.hf_io import load_hf
+        from train.hf_load import load_hf
 
         load_hf(parts, hf_path, tied=parts[0].cfg.tie_embeddings)
 

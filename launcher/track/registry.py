@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import fcntl
 import json
+import re
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from spec.rundir import REGISTRY  # noqa: F401  (re-exported: the sweep's file name)
 
@@ -39,3 +40,13 @@ def read(sweep_dir: Path) -> List[Dict[str, Any]]:
         history = points.get(row["point"], {}).get("history", [])
         points[row["point"]] = {**row, "history": history + [row]}
     return [points[k] for k in sorted(points, key=lambda p: (len(p), p))]
+
+
+def job_name_of(run_dir: Optional[Path]) -> Optional[str]:
+    """The job name in a run's ``sbatch.sh`` (status and cancel take a job id for ours only
+    when Slurm's record of it has this name: ids are reused)."""
+    try:
+        match = re.search(r"^#SBATCH --job-name=(\S+)", (run_dir / "sbatch.sh").read_text(), re.M)
+    except (OSError, TypeError):
+        return None
+    return match.group(1) if match else None

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from launcher.track import registry
-from launcher.track.status import job_name_of
 from launcher.track.summary import summary_lines
 from slurm import query
 from slurm.states import is_job_id
@@ -75,7 +74,7 @@ def cancel_main(run_dir: Path) -> int:
         return 2
     env = query.slurm_env(slurm_conf_of(info))
     # the run's job, and the checkpoint conversion a resume submitted before it (launcher.resume)
-    name = job_name_of(run_dir)
+    name = registry.job_name_of(run_dir)
     conversion = str(info.get("conversion_job") or "")
     wanted = {job: name, **({conversion: f"{name}-convert" if name else None} if is_job_id(conversion) else {})}
     try:

@@ -13,14 +13,13 @@ Without SWEEP_DIR the newest sweep under ``runs/multirun`` is shown.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from launcher.track import registry
+from launcher.track import registry, single
 from launcher.track.scaling import classify, point_metrics, slurm_time, stitch, varying_overrides
 from slurm import query
 from slurm.states import ACTIVE, PENDING, is_job_id
@@ -104,14 +103,6 @@ def _int(value: Any) -> Optional[int]:
         return None
 
 
-def job_name_of(run_dir: Optional[Path]) -> Optional[str]:
-    try:
-        match = re.search(r"^#SBATCH --job-name=(\S+)", (run_dir / "sbatch.sh").read_text(), re.M)
-    except (OSError, TypeError):
-        return None
-    return match.group(1) if match else None
-
-
 def _point(entry: Dict[str, Any]) -> Point:
     run_dir = Path(entry["run_dir"]) if entry.get("run_dir") else None
     run = read_run_json(run_dir) if run_dir and run_dir.is_dir() else {}
@@ -123,7 +114,7 @@ def _point(entry: Dict[str, Any]) -> Point:
     return Point(point=entry["point"], event=entry["event"], overrides=list(entry.get("overrides", [])),
                  job_id=job, run_dir=run_dir, strategy=entry.get("strategy") or run.get("strategy") or "?",
                  nodes=_int(entry.get("nodes") or run.get("nodes")), gpus_per_node=_int(entry.get("gpus_per_node")),
-                 submitted_at=submitted[-1] if submitted else None, job_name=job_name_of(run_dir), run=run,
+                 submitted_at=submitted[-1] if submitted else None, job_name=registry.job_name_of(run_dir), run=run,
                  rows=stitch(read_metrics(run_dir)) if run_dir and run_dir.is_dir() else [],
                  detail=entry.get("reason", "") if entry["event"] != "submitted" else "")
 
@@ -286,8 +277,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("sweep_dir", nargs="?", help="sweep directory (default: newest under runs/multirun), "
                         "or a single run's directory")
     args = parser.parse_args(argv)
-    from launcher.track import single
-
     if args.sweep_dir and single.is_single_run(Path(args.sweep_dir)):
         code = single.status_main(Path(args.sweep_dir))
         print("\n".join(node_lines(Path(args.sweep_dir))))

@@ -80,7 +80,7 @@ def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
 def run_task(run_dir: str | Path, workload: Workload, flag: Optional[PreemptionFlag] = None) -> int:
     """Join the job's process group, run ``workload``, record the outcome in run.json. Returns 0
     (a workload's error is recorded, then raised)."""
-    if flag is None:  # the entry points install it before importing torch: see train.harness.job
+    if flag is None:  # the entry points install it before importing torch: see train.job
         flag = PreemptionFlag().install()  # replaces submitit's USR2 handler: one path
     from train.harness.dist import shutdown
 
