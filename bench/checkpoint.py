@@ -226,7 +226,7 @@ def worker(rank: int, world: int, port: int, work: str, dim: int, layers: int, r
     base_step = statistics.median(timed_steps(engine, batch, 3))
     root = Path(work) / "ckpt"
     ckpt = Checkpointer(root, rank, keep=1)
-    ckpt.prepare_async(engine)  # as the loop does at start-up (the gloo group, the thread)
+    ckpt.prepare_async()  # as the loop does at start-up (the gloo group, the thread)
     ckpt.reserve_async(engine).result()  # as the loop does after its first step (waited for here:
     # the background copy would otherwise share the cores with the first sync save)
     res = {key: [] for key in ("sync", "sync_cold", "call", "staging", "stall", "slow", "write", "restore")}

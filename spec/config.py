@@ -220,8 +220,9 @@ class FaultConfig:
     # hardware_fault_at_step: its node's hardware is blamed (train/harness/health.py); 0 = off.
     hardware_fault_rank: int = -1
     hardware_fault_at_step: int = 0
-    # These two fire only in the job's run with this SLURM_RESTART_COUNT (0: its first
-    # run, and every run outside Slurm; -1: every run), so a requeued job runs clean.
+    # These two fire only in the run's segment with this number (how many times the run
+    # started before it: 0 its first start, 1 after one requeue or restart; -1: every
+    # segment), so a requeued, restarted or resumed run runs clean (train/harness/faults.py).
     preflight_slow_restart: int = 0
     hardware_fault_restart: int = 0
 

@@ -3,12 +3,13 @@ without each, on the local cluster, and completes on the nodes left.
 
 One 2-node job on the 4-node cluster (train/harness/badnodes.py):
 
-1. first run (SLURM_RESTART_COUNT 0): rank 2 sleeps inside its timed preflight matmuls
+1. first run (segment 0): rank 2 sleeps inside its timed preflight matmuls
    (``fault.preflight_slow_rank``), so its node measures far below the median; with
    ``train.preflight_exclude=true`` rank 0 records ``failure: preflight_outlier`` and
    requeues the job without that node;
-2. second run: rank 2, now on another node, raises CUDA's error for an uncorrectable ECC
-   error at step 5 (``fault.hardware_fault_*``); its own error names a hardware fault of
+2. second run (segment 1, ``fault.hardware_fault_restart=1``): rank 2, now on another
+   node, raises CUDA's error for an uncorrectable ECC error at step 5
+   (``fault.hardware_fault_*``); its own error names a hardware fault of
    its node (``failure: hardware_fault``), and the job is requeued without it too;
 3. third run: on the two nodes left, it resumes from the checkpoint of step 4 and completes.
 

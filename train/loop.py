@@ -18,7 +18,6 @@ from spec.rundir import MetricsRow, Status, shape_line
 from train.checkpoint import Checkpointer
 from train.evaluate import Evaluator, perplexity
 from train.data import ShardedLoader, file_dtype, token_file
-from train.harness import faults
 from train.harness.run import Task
 from train.harness.watchdog import COLLECTIVE
 from train.metrics import mfu
@@ -60,7 +59,7 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
         loader.trace = task.run_dir / "logs" / f"samples_seg{task.segment}_rank{ctx.rank}.txt"
     engine, restored = _build_and_restore(task, ckpt)
     if cfg.checkpoint.async_save:
-        ckpt.prepare_async(engine)
+        ckpt.prepare_async()
     if restored is not None:
         loader.load_state_dict(restored["loader"])
         log(f"resumed from step {restored['step']} (segment {task.segment})")
@@ -126,7 +125,7 @@ def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm:
     local = torch.tensor([loss.item(), grad_norm.item(), engine.peak_memory_bytes(), flag.code, float(save_due)],
                          dtype=torch.float64, device=loss.device)
     gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
-    faults.at_step_end(task.cfg.fault, ctx.rank, step, task.watchdog)
+    task.faults.at_step_end(step, task.watchdog)
     task.watchdog.phase(COLLECTIVE, step)
     dist.all_gather(gathered, local)
     task.watchdog.progress(step + 1)
@@ -212,7 +211,7 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         ckpt.poll()
         if cfg.checkpoint.async_save and step == first and ckpt.reserve_async(engine):
             log("host buffers for async saves: being allocated in the background")
-        faults.after_step(cfg.fault)
+        task.faults.after_step()
     ckpt.close()
     return Status.COMPLETED
 
@@ -222,8 +221,7 @@ def _save(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader,
     cfg = task.cfg
     task.watchdog.phase("checkpoint", step + 1)
     background = cfg.checkpoint.async_save and not preempted
-    ckpt.save(engine, step + 1, {"loader": loader.state_dict()},
-              kill_before_commit=cfg.fault.kill_in_save_at_step == step + 1, blocking=not background)
+    ckpt.save(engine, step + 1, {"loader": loader.state_dict()}, blocking=not background)
     task.watchdog.progress(step + 1)
     if task.ctx.is_main:
         (task.run_dir / SAVE_REQUEST).unlink(missing_ok=True)

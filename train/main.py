@@ -24,7 +24,7 @@ def trainer(task: Task) -> Status:
 
     cfg = task.cfg
     ckpt = Checkpointer(task.run_dir / "checkpoints", task.ctx.rank, keep=cfg.checkpoint.keep,
-                        slow_async_s=cfg.fault.slow_async_save_s, shape=run_shape(cfg, task.layout))
+                        shape=run_shape(cfg, task.layout), faults=task.faults)
     return train(task, ckpt)
 
 

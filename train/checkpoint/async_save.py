@@ -5,8 +5,8 @@ which copies it into host buffers kept from save to save (:class:`Snapshot`: one
 ``_foreach_copy_``, without the GIL; pinned, on a side stream, on GPU), then writes it
 with ``dcp.save`` on a separate gloo group. DCP's own ``async_save`` was not used: it
 starts a new thread per save and its stager walks the state in Python beside the
-training thread, which waits for the GIL: 15-30 ms of a 30-45 ms call on 2 CPU cores,
-against 9-14 ms for the whole call now (105.8M params, DDP, bench/checkpoint.py).
+training thread, which waits for the GIL for most of the call (bench/checkpoint.py
+measures the stall).
 
 Forward and backward only read the parameters, so the loop goes on at once; a step
 pre-hook on every optimizer waits for the copy before the first update, so the snapshot
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from train.checkpoint.state import AppState
+from train.harness.faults import Faults
 
 
 class Snapshot:
@@ -104,12 +105,11 @@ def _use_device(index: Optional[int]) -> None:
 class AsyncSaver:
     """The checkpoint thread of one run, its gloo group and its snapshot buffers.
 
-    ``lag_s`` is fault injection (FaultConfig.slow_async_save_s): the thread sleeps that
-    long before the snapshot and again before the write, so that the training thread
-    runs ahead of it (tests)."""
+    ``faults``: the task's fault seam, asked before the snapshot and before the write
+    (:meth:`train.harness.faults.Faults.checkpoint_thread`)."""
 
-    def __init__(self, lag_s: float = 0.0) -> None:
-        self.lag_s = lag_s
+    def __init__(self, faults: Optional[Faults] = None) -> None:
+        self.faults = faults or Faults()
         self._group = None
         self._worker: Optional[ThreadPoolExecutor] = None  # one thread: snapshot, then write
         self._snapshot: Optional[Snapshot] = None
@@ -149,13 +149,13 @@ class AsyncSaver:
         import torch.distributed.checkpoint as dcp
 
         try:
-            time.sleep(self.lag_s)
+            self.faults.checkpoint_thread()
             snapshot = self._snapshot.take(state)
         except BaseException as exc:
             staged.set_exception(exc)
             raise
         staged.set_result(None)
-        time.sleep(self.lag_s)
+        self.faults.checkpoint_thread()
         dcp.save({"app": snapshot}, storage_writer=writer, process_group=self._group)
 
     def _guard_optimizers(self, engine) -> None:

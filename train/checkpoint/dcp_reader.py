@@ -44,12 +44,11 @@ def readahead(paths: List[Path]) -> Optional[threading.Thread]:
     """Read ``paths`` front to back into the page cache, in a thread of its own, when they
     fit in half the available memory (else the load's own pass reads them once).
 
-    The checkpointer starts it for this rank's files before DCP plans the load
-    (collectives, 0.03-0.15 s here), so the disk streams meanwhile and the load's pass
-    then mostly copies from the page cache. Plain reads, not POSIX_FADV_WILLNEED: on this
-    VM a WILLNEED'd file read back slower than a plain cold read (0.36-0.62 s against
-    0.27-0.29 s for 671 MB) and a 2-rank DDP restore of 1270 MB took 0.76-0.92 s with it
-    against 0.56-0.73 s with this thread (tmp profile, same runs side by side)."""
+    The checkpoint's backend starts it for this rank's files before DCP plans the load
+    (collectives), so the disk streams meanwhile and the load's pass then mostly copies
+    from the page cache. Plain reads, not POSIX_FADV_WILLNEED: a WILLNEED'd file read
+    back slower than a plain cold read, and restores were slower with it than with this
+    thread (bench/checkpoint.py measures restores)."""
     try:
         total = sum(p.stat().st_size for p in paths)
     except OSError:  # missing: the load reports it

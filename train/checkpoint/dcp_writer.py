@@ -9,6 +9,8 @@ from typing import Dict, List
 
 from train.checkpoint.manifest import Sums, crc32, fsync_path
 
+SUBDIR = "dcp"  # DCP's files in a step directory
+
 
 class _SummingStream:
     """A file being written, whose CRC32 and size follow the bytes handed to ``write``
@@ -53,13 +55,13 @@ def summing_writer():
         of the files it wrote before, which it fsyncs) for rank 0's manifest."""
 
         def __init__(self, root: Path, side: Path, sums: Sums) -> None:
-            super().__init__(str(root / "dcp"), single_file_per_rank=True, sync_files=True)
+            super().__init__(str(root / SUBDIR), single_file_per_rank=True, sync_files=True)
             self.fs = SummingFileSystem()
             self.root, self.side, self.prior = root, side, sums
 
         def write_data(self, plan, planner):
-            # torch.save's own CRC32 of every zip record (miniz, ~4 GB/s: 15% of a save on
-            # this machine) is left out: each file's CRC is taken as it is written, in the
+            # torch.save's own CRC32 of every zip record (miniz: a sizeable part of a save,
+            # bench/checkpoint.py) is left out: each file's CRC is taken as it is written, in the
             # manifest, checked before any load. torch.load reads such files (documented).
             # The setting is the process's own for the time of the write.
             from train.torch_compat import torch_save_without_crc

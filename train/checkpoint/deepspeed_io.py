@@ -1,6 +1,6 @@
 """DeepSpeed's own checkpoint files, through the engine protocol
-(:class:`train.strategies.base.Engine`: ``native_checkpoint``, ``save_native``,
-``load_native``).
+(:class:`train.strategies.base.Engine`: ``save_native``, ``load_native``): the
+checkpoint backend of DeepSpeed runs (:class:`DeepSpeedBackend`).
 
 DeepSpeed writes and reads its files itself, so no CRC is taken as they are written or
 read: the files are summed after the save (read back, shared out among the ranks, see
@@ -21,29 +21,63 @@ import json
 import os
 import shutil
 from argparse import Namespace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
-from spec.rundir import needs_universal  # noqa: F401 - the manager asks here
-from train.checkpoint.manifest import Sums
+from spec.rundir import needs_universal
+from train.checkpoint.manifest import Sums, saved_shape
 
 SUBDIR = "deepspeed"
 TAG = "state"  # the tag DeepSpeedEngine.save_native / load_native use
 UNIVERSAL = "universal"  # checkpoints/universal/step_N: a step converted to the universal format
 
 
-def is_native(engine) -> bool:
-    """Whether ``engine`` writes its own checkpoint files (else: DCP)."""
-    return bool(engine.native_checkpoint)
+@dataclass
+class DeepSpeedBackend:
+    """DeepSpeed's engine writes and reads its own files (``deepspeed/``): none is summed as
+    it is written or read, all are verified before a load; always a blocking save. Resumed
+    at another data-parallel size or ZeRO stage, the engine loads the universal format."""
 
+    rank: int
+    shape: Mapping[str, Any] = field(default_factory=dict)  # this run's (spec.rundir.run_shape)
+    universal: bool = False  # the engine was built to load the universal format (plan_load)
+    saves_async: ClassVar[bool] = False
+    loads_in_place: ClassVar[bool] = False  # verified before: a rejected load read nothing
 
-def save(engine, tmp: Path, side: Path, sums: Sums) -> None:
-    """The engine's files under ``tmp``; ``sums`` (this rank's files summed as written)
-    left in ``side`` for the manifest. Collective."""
-    engine.save_native(tmp / SUBDIR)
-    side.write_text(json.dumps(sums))
+    def save(self, engine, tmp: Path, side: Path, sums: Sums, saver=None) -> None:
+        """The engine's files under ``tmp``; ``sums`` (this rank's files summed as written)
+        left in ``side`` for the manifest. Collective. (No ``saver``: never async.)"""
+        engine.save_native(tmp / SUBDIR)
+        side.write_text(json.dumps(sums))
+
+    def summed_on_load(self, rel: str) -> bool:
+        """No file is summed as it is loaded: DeepSpeed reads them itself, all verified first."""
+        return False
+
+    def plan_load(self, saved: Optional[Mapping[str, Any]]) -> bool:
+        """Whether the engine must be built to load the universal format: the newest
+        checkpoint (its shape ``saved``) is a ZeRO one of another data-parallel size or stage."""
+        self.universal = needs_universal(saved, self.shape)
+        return self.universal
+
+    def load(self, engine, ckpt: Path) -> Optional[str]:
+        """DeepSpeed's files of ``ckpt``, converted to the universal format first when it
+        was saved at another shape (rank 0 converts; collective)."""
+        universal = needs_universal(saved_shape(ckpt), self.shape)
+        if universal != self.universal:  # the engine was built for the newest checkpoint's shape
+            return (f"saved at another shape than the newest checkpoint (universal load: {universal}); "
+                    f"resume once more to load it")
+        if universal:
+            reason = [to_universal(ckpt, self.shape["zero_stage"]) if self.rank == 0 else None]
+            dist.broadcast_object_list(reason, src=0)
+            if reason[0] is not None:
+                return reason[0]
+        load(engine, ckpt, universal)
+        return None
 
 
 def load(engine, ckpt: Path, universal: bool = False) -> None:
@@ -71,11 +105,6 @@ def load(engine, ckpt: Path, universal: bool = False) -> None:
         for state in getattr(opt, "optimizer", opt).state.values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
-
-
-def deferred(rel: str) -> bool:
-    """No file of a DeepSpeed checkpoint is summed as it is loaded: all are verified first."""
-    return False
 
 
 def universal_dir(ckpt: Path) -> Path:

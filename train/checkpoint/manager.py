@@ -22,6 +22,11 @@ the newest directory whose manifest verifies (sizes, and CRCs read back, the fil
 out among the ranks; DCP's data files summed as they are loaded, :mod:`.dcp_reader`); a
 corrupt or truncated one is reported and skipped.
 
+What DCP and DeepSpeed do differently (the engine's files, async saves, which files are
+summed as they load, a load at another shape) is the checkpointer's backend, chosen by
+the run's engine (:mod:`.backend`); faults are injected through the task's one seam
+(:class:`train.harness.faults.Faults`).
+
 Each manifest records the shape of the run that saved it (``shape``:
 :func:`spec.rundir.run_shape`). Resumed on another shape, DCP reshards by itself (the
 state dicts are DTensors or whole tensors, by parameter name, whatever the world size);
@@ -31,7 +36,6 @@ rank (:func:`.state.load_extra`).
 """
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 import time
@@ -42,22 +46,25 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from train.checkpoint import deepspeed_io, fault
 from train.checkpoint.async_save import AsyncSaver
-from train.checkpoint.dcp_reader import readahead, verifying_reader
-from train.checkpoint.dcp_writer import summing_writer
+from train.checkpoint.backend import backend_for
+from train.checkpoint.deepspeed_io import universal_dir
 from train.checkpoint.manifest import (
-    DCP_FILE, MANIFEST, SUMS, CorruptCheckpoint, Sums, checksums, committed_steps, manifest_files, publish, share,
-    step_name, unsummed, verify, written_sums,
+    SUMS, Sums, checksums, committed_steps, publish, saved_shape, share, step_name, unsummed, verify, written_sums,
 )
-from train.checkpoint.state import AppState, load_extra, write_extra
+from train.checkpoint.state import load_extra, write_extra
+from train.harness.faults import Faults
 
 
 @dataclass
 class Checkpointer:
     """Saves and restores one run's engine + loader state; collective (every rank calls).
 
-    ``save(..., blocking=False)`` (torch engines) hands the state to the checkpoint
+    ``shape`` (the run's, :func:`spec.rundir.run_shape`; recorded in each manifest) picks
+    the backend (:func:`.backend.backend_for`: DCP unless the engine is DeepSpeed);
+    ``faults`` is the task's fault seam (none by default).
+
+    ``save(..., blocking=False)`` (DCP's backend) hands the state to the checkpoint
     thread (:mod:`.async_save`) and returns: the loop is blocked only for the call and
     the first optimizer step's wait for the snapshot (``last_save_s`` +
     ``staging_wait_s``). DCP's last phase gathers every rank's write results on rank 0,
@@ -69,8 +76,8 @@ class Checkpointer:
     root: Path
     rank: int
     keep: int = 3
-    slow_async_s: float = 0.0  # fault injection: see FaultConfig.slow_async_save_s
     shape: Dict[str, Any] = field(default_factory=dict)  # this run's (spec.rundir.run_shape), in each manifest
+    faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
         self._pending: Optional[Tuple[Future, Path, Path, int]] = None  # future, tmp, final, step
@@ -79,10 +86,10 @@ class Checkpointer:
         # decide on it whether to enter its barrier.
         self._unwaited = False
         self._committer: Optional[threading.Thread] = None
-        self._async = AsyncSaver(self.slow_async_s)
+        self.backend = backend_for(self.shape, self.rank)
+        self._async = AsyncSaver(self.faults)
         self.last_save_s = 0.0
         self.engine_dirty = False  # see load_latest
-        self.universal = False  # see plan_load
 
     @property
     def staging_wait_s(self) -> float:
@@ -93,12 +100,11 @@ class Checkpointer:
     def staging_wait_s(self, value: float) -> None:
         self._async.staging_wait_s = value
 
-    def save(self, engine, step: int, extra: Dict[str, Any], kill_before_commit: bool = False,
-             blocking: bool = True) -> Path:
+    def save(self, engine, step: int, extra: Dict[str, Any], blocking: bool = True) -> Path:
         self.wait()
         t0 = time.perf_counter()
         final, tmp = self.root / step_name(step), self.root / f".tmp-{step_name(step)}"
-        background = not blocking and not deepspeed_io.is_native(engine)
+        background = not blocking and self.backend.saves_async
         if background:  # no barrier: a stale temporary directory was removed at start-up (load_latest)
             tmp.mkdir(parents=True, exist_ok=True)
         else:
@@ -111,28 +117,18 @@ class Checkpointer:
         sums = write_extra(tmp, self.rank, step, extra, fsync=not background)
         side = tmp / f"{SUMS}{self.rank}.json"
         if background:
-            future = self._async.start(engine, summing_writer()(tmp, side, sums))
+            future = self.backend.save(engine, tmp, side, sums, self._async)
             self._pending, self._unwaited = (future, tmp, final, step), True
         else:
-            self._save_now(engine, tmp, side, sums)
-            if kill_before_commit:
-                fault.die_before_commit()
+            self.backend.save(engine, tmp, side, sums)  # every rank's files under tmp, its CRCs in side
+            dist.barrier()
+            self.faults.save_written(step)
             self._commit_now(tmp, final, step)
         self.last_save_s = time.perf_counter() - t0  # async: the stall, with staging_wait_s
         if not background and self.rank == 0:  # deleting old checkpoints need not hold up the loop
             self._committer = threading.Thread(target=self._prune, daemon=False)  # wait() joins it
             self._committer.start()
         return final
-
-    def _save_now(self, engine, tmp: Path, side: Path, sums: Sums) -> None:
-        """Every rank's files under ``tmp``, its CRCs in ``side`` (collective)."""
-        if deepspeed_io.is_native(engine):  # DeepSpeed writes its own sharded files; read back below
-            deepspeed_io.save(engine, tmp, side, sums)
-        else:
-            import torch.distributed.checkpoint as dcp
-
-            dcp.save({"app": AppState(engine)}, storage_writer=summing_writer()(tmp, side, sums))
-        dist.barrier()
 
     def _commit_now(self, tmp: Path, final: Path, step: int) -> None:
         """The files no rank summed as it wrote, read back (and fsynced), shared out among
@@ -147,16 +143,17 @@ class Checkpointer:
             publish(tmp, final, step, written, shape=self.shape)
         dist.barrier()
 
-    def prepare_async(self, engine) -> None:
-        """The gloo group and the thread of async saves (collective when it makes the group:
-        the loop calls it at start-up, so that the first save does not wait ~70 ms for it)."""
-        if not deepspeed_io.is_native(engine):
+    def prepare_async(self) -> None:
+        """The gloo group and the thread of async saves, where the backend saves async
+        (collective when it makes the group: the loop calls it at start-up, so that the
+        first save does not wait for it)."""
+        if self.backend.saves_async:
             self._async.prepare()
 
     def reserve_async(self, engine) -> Optional[Future]:
         """Have the checkpoint thread allocate (and fault in) the snapshot's host buffers
         now, in the background, so that the first async save finds them: the first copy
-        into new buffers took 2.2 s for 1270 MB on this VM, against 0.1-0.3 s into reused
+        into new buffers (their pages faulted in) costs several times a copy into reused
         ones, and page-locked memory on a GPU host is slower to allocate still. The loop
         calls it after its first step (the optimizer state exists then). The copy it makes
         is thrown away, so reading the state while the training thread updates it does
@@ -207,7 +204,7 @@ class Checkpointer:
         stale ones at start-up)."""
         for old in committed_steps(self.root)[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
-            shutil.rmtree(deepspeed_io.universal_dir(old), ignore_errors=True)
+            shutil.rmtree(universal_dir(old), ignore_errors=True)  # DeepSpeed's conversion, if any
 
     def load_latest(self, engine, report: Callable[[str], None]) -> Optional[Dict[str, Any]]:
         """Restore the newest good checkpoint; None if none. Every rank checks each
@@ -226,13 +223,13 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         names = [[p.name for p in committed_steps(self.root)] if self.rank == 0 else None]
         dist.broadcast_object_list(names, src=0)
-        deferred = deepspeed_io.deferred if deepspeed_io.is_native(engine) else _read_by_dcp
         for name in names[0]:
             reasons: List[Optional[str]] = [None] * world
-            dist.all_gather_object(reasons, verify(self.root / name, self.rank, world, deferred))
+            dist.all_gather_object(reasons, verify(self.root / name, self.rank, world, self.backend.summed_on_load))
             reason = next((r for r in reasons if r is not None), None)
             if reason is None:
-                reason = self._engine_load(engine, self.root / name)
+                reason = self.backend.load(engine, self.root / name)
+                self.engine_dirty |= reason is not None and self.backend.loads_in_place
             if reason is None:
                 return self._extra(self.root / name)
             if self.rank == 0:
@@ -247,33 +244,14 @@ class Checkpointer:
             if not steps:
                 return None
             ckpt = steps[0]
-        try:
-            return json.loads((ckpt / MANIFEST).read_text()).get("shape")
-        except (OSError, ValueError):
-            return None
+        return saved_shape(ckpt)
 
     def plan_load(self) -> bool:
         """Before the engine is built (not collective: every rank reads the same manifest):
         whether it must load DeepSpeed's universal format, i.e. the newest checkpoint is a
         ZeRO one saved at another data-parallel size or stage (then the engine is built with
-        ``checkpoint.load_universal``)."""
-        self.universal = deepspeed_io.needs_universal(self.saved_shape(), self.shape)
-        return self.universal
-
-    def _deepspeed_load(self, engine, ckpt: Path) -> Optional[str]:
-        """DeepSpeed's files of ``ckpt``, converted to the universal format first when it
-        was saved at another shape (rank 0 converts; collective)."""
-        universal = deepspeed_io.needs_universal(self.saved_shape(ckpt), self.shape)
-        if universal != self.universal:  # the engine was built for the newest checkpoint's shape
-            return (f"saved at another shape than the newest checkpoint (universal load: {universal}); "
-                    f"resume once more to load it")
-        if universal:
-            reason = [deepspeed_io.to_universal(ckpt, self.shape["zero_stage"]) if self.rank == 0 else None]
-            dist.broadcast_object_list(reason, src=0)
-            if reason[0] is not None:
-                return reason[0]
-        deepspeed_io.load(engine, ckpt, universal)
-        return None
+        ``checkpoint.load_universal``). DCP's backend: never."""
+        return self.backend.plan_load(self.saved_shape())
 
     def _extra(self, ckpt: Path) -> Dict[str, Any]:
         """This rank's step, loader position and RNG states; every rank takes rank 0's when
@@ -285,29 +263,3 @@ class Checkpointer:
         if saved is not None and saved != {k: self.shape.get(k) for k in saved}:
             extra["reshaped_from"] = saved
         return extra
-
-    def _engine_load(self, engine, ckpt: Path) -> Optional[str]:
-        """Load ``ckpt`` into ``engine`` (collective); the reason if a file it read was corrupt."""
-        if deepspeed_io.is_native(engine):  # verified beforehand: DeepSpeed reads its files itself
-            return self._deepspeed_load(engine, ckpt)
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        files = manifest_files(ckpt)
-        mine = share([ckpt / rel for rel in files], self.rank, dist.get_world_size())
-        owned = {p.name: files[str(p.relative_to(ckpt))] for p in mine if _read_by_dcp(str(p.relative_to(ckpt)))}
-        readahead([ckpt / "dcp" / name for name in owned])  # the disk works while DCP plans the load
-        try:
-            dcp.load({"app": AppState(engine, loading=True)}, storage_reader=verifying_reader()(ckpt / "dcp", owned))
-        except CheckpointException as exc:
-            corrupt = [e for e, _ in exc.failures.values() if isinstance(e, CorruptCheckpoint)]
-            if not corrupt:
-                raise
-            self.engine_dirty = True
-            return str(corrupt[0])
-        return None
-
-
-def _read_by_dcp(rel: str) -> bool:
-    """DCP's data files: summed by the reader as it loads them, not beforehand."""
-    return bool(DCP_FILE.search(rel))

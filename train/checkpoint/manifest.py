@@ -98,6 +98,15 @@ def manifest_files(ckpt: Path) -> Sums:
     return json.loads((ckpt / MANIFEST).read_text())["files"]
 
 
+def saved_shape(ckpt: Path) -> Optional[Dict[str, Any]]:
+    """The shape of the run that saved ``ckpt`` (:func:`spec.rundir.run_shape`), from its
+    manifest; None if it has none (saved before shapes were recorded) or is unreadable."""
+    try:
+        return json.loads((ckpt / MANIFEST).read_text()).get("shape")
+    except (OSError, ValueError):
+        return None
+
+
 def verify(ckpt: Path, rank: int = 0, world: int = 1, deferred: Callable[[str], bool] = lambda rel: False
            ) -> Optional[str]:
     """None when ``ckpt`` is a complete committed checkpoint, else the reason it is not.

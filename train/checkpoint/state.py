@@ -17,15 +17,18 @@ import numpy as np
 import torch
 
 from train.checkpoint.manifest import Sums, crc32
-from train.strategies.base import HYPERPARAMETERS
+
+# The keys of the optimizer's hyperparameters (lr, betas, weight decay) in an engine's
+# flattened optimizer state (torch's StateDictOptions(flatten_optimizer_state_dict=True)).
+HYPERPARAMETERS = "param_groups."
 
 
 class AppState:
     """DCP Stateful over an engine's model + optimizer state.
 
     ``loading``: what a load asks of the checkpoint leaves out the optimizer's
-    hyperparameters (``param_groups.`` keys), which the engine keeps from the run config (as
-    the universal DeepSpeed load does). The states' keys are the same whether the optimizer
+    hyperparameters (:data:`HYPERPARAMETERS`), which the engine keeps from the run config
+    (as the universal DeepSpeed load does: a resume keeps the run's own). The states' keys are the same whether the optimizer
     state was saved flattened (now) or nested (checkpoints of earlier versions), so those
     load too."""
 

@@ -1,44 +1,77 @@
-"""Harness-level fault injection (``fault.*``), for tests and benchmarks.
+"""Fault injection (``fault.*``), for tests and benchmarks: one seam.
 
-:func:`at_step_end` is called by a workload at the end of every step, before the ranks'
-step collective: a raised error there is a failing run, a sleeping rank a hang that the
-watchdog must name. Faults inside a checkpoint save (``fault.kill_in_save_at_step``,
-``fault.slow_async_save_s``) belong to the trainer's checkpoints.
+A :class:`Faults` is made for each task from the config, the rank and the run's segment,
+and every place a fault can be injected asks it: the harness's preflight
+(:meth:`Faults.preflight_delay`), the trainer's steps (:meth:`Faults.at_step_end`,
+:meth:`Faults.after_step`) and its checkpoints (:meth:`Faults.save_written`,
+:meth:`Faults.checkpoint_thread`: :class:`train.checkpoint.Checkpointer` is handed the
+task's). No other test hook is in production signatures; ``Faults()`` injects nothing.
+
+A fault meant for one start of the run (``fault.*_restart``) is keyed on the run's
+segment: how many times the run started before this one (run.json ``segments`` as the
+task starts; :attr:`train.harness.run.Task.segment`). A requeue is a new segment, as is a
+restart inside the job or a ``launcher.resume`` (a new job, whose SLURM_RESTART_COUNT
+starts at 0 again), so such a fault does not fire again there.
+
+:meth:`Faults.at_step_end` is called by a workload at the end of every step, before the
+ranks' step collective: a raised error there is a failing run, a sleeping rank a hang that
+the watchdog must name.
 """
 from __future__ import annotations
 
 import os
+import signal
 import time
+from dataclasses import dataclass, field
 
 from spec.config import FaultConfig
 from train.harness.watchdog import Watchdog
 
 
-def in_this_run(restart: int) -> bool:
-    """Whether a fault meant for the job's run with SLURM_RESTART_COUNT ``restart`` (-1: any) fires here."""
-    return restart in (-1, int(os.environ.get("SLURM_RESTART_COUNT") or 0))
+@dataclass(frozen=True)
+class Faults:
+    """What ``fault.*`` injects into this rank's task; nothing by default."""
 
+    cfg: FaultConfig = field(default_factory=FaultConfig)
+    rank: int = 0
+    segment: int = 0  # how many times the run started before this one
 
-def preflight_delay(fault: FaultConfig, rank: int) -> float:
-    """Seconds this rank adds to its timed preflight matmuls (``fault.preflight_slow_*``)."""
-    slow = rank == fault.preflight_slow_rank and in_this_run(fault.preflight_slow_restart)
-    return fault.preflight_slow_s if slow else 0.0
+    def in_this_segment(self, segment: int) -> bool:
+        """Whether a fault meant for the run's segment ``segment`` (-1: every one) fires here."""
+        return segment in (-1, self.segment)
 
+    def preflight_delay(self) -> float:
+        """Seconds this rank adds to its timed preflight matmuls (``fault.preflight_slow_*``)."""
+        slow = self.rank == self.cfg.preflight_slow_rank and self.in_this_segment(self.cfg.preflight_slow_restart)
+        return self.cfg.preflight_slow_s if slow else 0.0
 
-def at_step_end(fault: FaultConfig, rank: int, step: int, watchdog: Watchdog) -> None:
-    """``step``: the index of the step that just ran (0-based); the config counts from 1."""
-    if step + 1 == fault.raise_at_step:
-        raise RuntimeError(f"fault.raise_at_step={step + 1}: injected failure")
-    if rank == fault.hardware_fault_rank and step + 1 == fault.hardware_fault_at_step and \
-            in_this_run(fault.hardware_fault_restart):
-        raise RuntimeError(f"CUDA error: uncorrectable ECC error encountered (fault.hardware_fault_at_step="
-                           f"{step + 1}: injected)")
-    if rank == fault.hang_rank and step + 1 == fault.hang_at_step:
-        watchdog.phase("fault: sleeping before the collective", step)
-        time.sleep(fault.hang_s)
+    def at_step_end(self, step: int, watchdog: Watchdog) -> None:
+        """``step``: the index of the step that just ran (0-based); the config counts from 1."""
+        fault = self.cfg
+        if step + 1 == fault.raise_at_step:
+            raise RuntimeError(f"fault.raise_at_step={step + 1}: injected failure")
+        if self.rank == fault.hardware_fault_rank and step + 1 == fault.hardware_fault_at_step and \
+                self.in_this_segment(fault.hardware_fault_restart):
+            raise RuntimeError(f"CUDA error: uncorrectable ECC error encountered (fault.hardware_fault_at_step="
+                               f"{step + 1}: injected)")
+        if self.rank == fault.hang_rank and step + 1 == fault.hang_at_step:
+            watchdog.phase("fault: sleeping before the collective", step)
+            time.sleep(fault.hang_s)
 
+    def after_step(self) -> None:
+        """``fault.step_delay_s``: a slow step, so a run lasts long enough to be interrupted."""
+        if self.cfg.step_delay_s:
+            time.sleep(self.cfg.step_delay_s)
 
-def after_step(fault: FaultConfig) -> None:
-    """``fault.step_delay_s``: a slow step, so a run lasts long enough to be interrupted."""
-    if fault.step_delay_s:
-        time.sleep(fault.step_delay_s)
+    def save_written(self, step: int) -> None:
+        """A blocking save of checkpoint ``step`` has every rank's files written and nothing
+        committed: ``fault.kill_in_save_at_step`` dies here at once, as a node lost in the
+        middle of a save would (SIGKILL, no clean-up)."""
+        if self.cfg.kill_in_save_at_step and step == self.cfg.kill_in_save_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def checkpoint_thread(self) -> None:
+        """The checkpoint thread of an async save, before its snapshot and again before its
+        write: ``fault.slow_async_save_s`` makes it lag, so the training thread runs ahead."""
+        if self.cfg.slow_async_save_s:
+            time.sleep(self.cfg.slow_async_save_s)

@@ -29,7 +29,7 @@ from spec.validate import WATCHDOG_GRACE_S, validate
 from spec.layout import Layout, build_layout
 from spec.rundir import (CONFIG, SEGMENT_FAILURE, MetricsRow, Status, append_metrics, read_run_json, status_of,
                          update_run_json)
-from train.harness import faults
+from train.harness.faults import Faults
 from train.harness.node_facts import write_node_facts
 from train.harness.outcome import mark_stderr, record_failure, record_hang, record_outcome, refuse_start
 from train.harness.preempt import PreemptionFlag
@@ -50,6 +50,11 @@ class Task:
     log: Callable[[str], None]  # this rank's log (rank 0 also to stdout)
     flag: PreemptionFlag  # set by USR2 / SIGTERM; the workload agrees on it at a step boundary
     watchdog: Watchdog  # phase() / progress() from the workload's steps
+
+    @property
+    def faults(self) -> Faults:
+        """The fault seam of this task: ``fault.*`` for this rank and segment."""
+        return Faults(self.cfg.fault, self.ctx.rank, self.segment)
 
     def write_metrics(self, row: MetricsRow | Mapping[str, Any]) -> None:
         """Append one metrics.jsonl row (the caller decides which rank writes)."""
@@ -159,7 +164,7 @@ def _claim(cfg: RunConfig, layout: Layout, ctx, run_dir: Path, log: logging.Logg
     if cfg.train.preflight:  # on outlier nodes with preflight_exclude: records them, raises PreflightError
         from train.harness.preflight import run_preflight
         run_preflight(ctx, run_dir, cfg.train.preflight_outlier, cfg.train.preflight_exclude, log.info,
-                      delay_s=faults.preflight_delay(cfg.fault, ctx.rank))
+                      delay_s=Faults(cfg.fault, ctx.rank, int(info[0].get("segments", 0))).preflight_delay())
     return info[0]
 
 

@@ -15,8 +15,9 @@ runs them in order):
 
 :class:`Engine` is all a caller may ask: no caller asks an engine what it is
 (``hasattr``). Torch engines checkpoint through torch.distributed.checkpoint
-(``state_dict`` / ``load_state_dict``); an engine with ``native_checkpoint`` (DeepSpeed)
-writes and reads its own files (``save_native`` / ``load_native``).
+(``state_dict`` / ``load_state_dict``); DeepSpeed's writes and reads its own files
+(``save_native`` / ``load_native``). The checkpoint backend is chosen by the run's engine
+(:func:`train.checkpoint.backend.backend_for`), not by asking the engine.
 """
 from __future__ import annotations
 
@@ -76,8 +77,6 @@ class Engine(Protocol):
     #: One optimizer per part (DeepSpeed: its own wrapper of the client optimizer).
     optimizers: List[Any]
     device: torch.device
-    #: True when the engine writes its own checkpoint files (DeepSpeed); False: DCP.
-    native_checkpoint: bool
 
     def train_step(self, micro_batches: Iterable[Batch], lr: float) -> Tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: (mean loss over this rank's micro-batches, grad norm before clipping)."""
@@ -86,19 +85,19 @@ class Engine(Protocol):
         """Mean loss over this rank's micro-batches, forward only (no gradient, no update)."""
 
     def state_dict(self) -> Dict[str, Any]:
-        """DCP state: {"model": ..., "optim": ...} (engines without native_checkpoint), both
+        """DCP state: {"model": ..., "optim": ...} (the torch engines), both
         keyed by the full model's parameter names, the optimizer's flattened
         (``state.NAME.exp_avg``, ``param_groups.NAME.lr``): the same keys whatever the layout."""
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict` (collective); ``optim`` may lack the ``param_groups.``
-        keys (:data:`HYPERPARAMETERS`): the engine keeps its own then."""
+        keys (:data:`train.checkpoint.state.HYPERPARAMETERS`): the engine keeps its own then."""
 
     def save_native(self, path: Path) -> None:
-        """Write the engine's own checkpoint files under ``path`` (native_checkpoint only)."""
+        """Write the engine's own checkpoint files under ``path`` (DeepSpeed only)."""
 
     def load_native(self, path: Path) -> None:
-        """Read what :meth:`save_native` wrote (native_checkpoint only)."""
+        """Read what :meth:`save_native` wrote (DeepSpeed only)."""
 
     def peak_memory_bytes(self) -> int:
         """This rank's peak memory so far, what the metrics report as ``peak_mem_bytes``."""
@@ -144,9 +143,6 @@ class DeviceMemory:
         return peak_memory_bytes(self.device)
 
 
-HYPERPARAMETERS = "param_groups."  # the flattened optimizer state's keys of lr, betas, weight decay
-
-
 def state_dict_options():
     """Optimizer state flattened: keyed by parameter name, so a pipeline stage, a whole
     model and any sharding of it ask for the same keys (a resume may change the layout)."""
@@ -164,7 +160,6 @@ def with_own_hyperparameters(loaded: Dict[str, Any], own: Dict[str, Any]) -> Dic
 class DCPState(DeviceMemory):
     """Model + optimizer through torch's get/set_state_dict (DDP, FSDP2, TP alike)."""
 
-    native_checkpoint = False
     module: nn.Module
     optimizer: Any
 
@@ -182,7 +177,7 @@ class DCPState(DeviceMemory):
                        optim_state_dict=with_own_hyperparameters(state["optim"], own), options=state_dict_options())
 
     def save_native(self, path: Path) -> None:
-        raise NotImplementedError(f"{type(self).__name__} checkpoints through DCP (native_checkpoint=False)")
+        raise NotImplementedError(f"{type(self).__name__} checkpoints through DCP (state_dict)")
 
     load_native = save_native
 

@@ -47,8 +47,6 @@ class DeepSpeedEngine(DeviceMemory):
     GPU the host-side optimizer states are not in it.
     """
 
-    native_checkpoint = True  # DeepSpeed's own sharded files: it knows the partitioning
-
     def __init__(self, ds, device: torch.device) -> None:
         self.ds = ds
         self.module = ds.module
@@ -64,7 +62,7 @@ class DeepSpeedEngine(DeviceMemory):
         self.ds.load_checkpoint(str(path), tag="state")
 
     def state_dict(self) -> Dict[str, Any]:
-        raise NotImplementedError("DeepSpeed checkpoints through save_native (native_checkpoint=True)")
+        raise NotImplementedError("DeepSpeed checkpoints through save_native (its own sharded files)")
 
     load_state_dict = state_dict
 
