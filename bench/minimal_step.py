@@ -13,13 +13,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from slurm.env import slurm_task_env
+from slurm.env import task_identity
 from spec.config import ModelConfig
 from train.model import build_model
 
 
 def main() -> None:
-    t = slurm_task_env()
+    t = task_identity()
     dist.init_process_group("gloo", init_method=f"tcp://{t.master_addr}:{t.master_port}", rank=t.rank,
                             world_size=t.world_size)
     model = build_model(ModelConfig(), "cpu")

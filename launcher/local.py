@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 from typing import List
 
-from slurm.env import LOCAL_FORK_ENV, TaskEnv
+from slurm.env import LOCAL_FORK_ENV
 from spec.config import RunConfig
+from spec.identity import TaskIdentity
 from spec.layout import Layout
 
 
@@ -57,12 +58,7 @@ def run_local(cfg: RunConfig, layout: Layout, run_dir: Path) -> int:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    ranks = []
-    for rank in range(layout.world_size):
-        node, local = layout.placement(rank)
-        ranks.append(TaskEnv(rank=rank, world_size=layout.world_size, local_rank=local,
-                             local_world_size=layout.gpus_per_node, node_rank=node, master_addr="127.0.0.1",
-                             master_port=port).torchrun_vars())
+    ranks = [TaskIdentity.placed(layout, rank, "127.0.0.1", port).torchrun_vars() for rank in range(layout.world_size)]
     env = dict(os.environ, **cfg.cluster.env)
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     fork = hasattr(os, "fork") and sys.platform == "linux" and len(ranks) > 1

@@ -30,11 +30,12 @@ Pure standard library.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from spec.config import RunConfig
 from spec.device import task_device
 from spec.ds_config import use_bf16
+from spec.identity import TaskIdentity
 from spec.layout import Layout
 
 RUN_DIR_ENV = "STO_RUN_DIR"
@@ -83,7 +84,7 @@ def accelerate_ds_config(cfg: RunConfig) -> Dict[str, Any]:
 
 def fsdp_sharding(cfg: RunConfig, layout: Layout) -> str:
     if layout.dp_replicate > 1 and layout.dp_shard > 1:
-        return "HYBRID_SHARD" if cfg.strategy.reshard_after_forward else "_HYBRID_SHARD_ZERO2"
+        return "HYBRID_SHARD" if cfg.strategy.reshard_after_forward else "HYBRID_SHARD_ZERO2"
     return "FULL_SHARD" if cfg.strategy.reshard_after_forward else "SHARD_GRAD_OP"
 
 
@@ -117,15 +118,16 @@ def accelerate_env(cfg: RunConfig, layout: Layout, run_dir: Path) -> Dict[str, s
     return env
 
 
-def task_environment(cfg: RunConfig, layout: Layout, run_dir: Path, rank: int,
-                     master_addr: str = "<first node of the job>", master_port: str = "<from the job id>"
-                     ) -> Dict[str, str]:
-    """Every variable a user's entry point gets in task ``rank`` (the dry run shows rank 0's)."""
-    node, local = layout.placement(rank)
-    env = {"RANK": str(rank), "WORLD_SIZE": str(layout.world_size), "LOCAL_RANK": str(local),
-           "LOCAL_WORLD_SIZE": str(layout.gpus_per_node), "GROUP_RANK": str(node), "MASTER_ADDR": master_addr,
-           "MASTER_PORT": str(master_port), RUN_DIR_ENV: str(run_dir),
-           DEVICE_ENV: task_device(cfg.cluster.accelerator, cfg.cluster.gpu_binding, local),
-           BINDING_ENV: cfg.cluster.gpu_binding}
+def task_environment(cfg: RunConfig, layout: Layout, run_dir: Path, rank: int = 0,
+                     task: Optional[TaskIdentity] = None) -> Dict[str, str]:
+    """Every variable a user's entry point gets in the task ``task`` (its identity, read
+    from its environment). Without one (the dry run): in task ``rank`` of ``layout``, the
+    master address and port shown as placeholders, as they exist only in the job."""
+    placed = task or TaskIdentity.placed(layout, rank, "<first node of the job>", 0)
+    env = placed.torchrun_vars()
+    if task is None:
+        env["MASTER_PORT"] = "<from the job id>"
+    env.update({RUN_DIR_ENV: str(run_dir), BINDING_ENV: cfg.cluster.gpu_binding,
+                DEVICE_ENV: task_device(cfg.cluster.accelerator, cfg.cluster.gpu_binding, placed.local_rank)})
     env.update(accelerate_env(cfg, layout, run_dir))
     return env

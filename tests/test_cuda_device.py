@@ -188,7 +188,7 @@ def test_a_refusal_fails_the_run_ends_the_slurm_job_and_no_echo_replaces_it(tmp_
     from train.harness import outcome
 
     cancelled = []
-    monkeypatch.setattr(outcome.preempt, "in_slurm_job", lambda: "4242")
+    monkeypatch.setattr(outcome.preempt, "current_job_id", lambda: "4242")
     monkeypatch.setattr(outcome.preempt, "cancel", cancelled.append)
     monkeypatch.setattr(outcome, "requeue_without_suspects", lambda *a: None)
     run_dir, log = _run_dir(tmp_path), logging.getLogger("test.cuda")
@@ -327,8 +327,9 @@ def test_every_deepspeed_build_sees_the_harness_device(monkeypatch):
 
     cfg = compose_run(["+strategy=zero3", "cluster.gpus_per_node=4", "cluster.accelerator=gpu",
                        "cluster.gpu_binding=task"])
-    ctx = DistContext(rank=3, world_size=4, local_rank=3, local_world_size=4, node_rank=0, hostname="gpu07",
-                      backend="nccl", device=torch.device("cuda", 0), job_id="1", restart_count=0, launcher="srun")
+    ctx = DistContext(rank=3, world_size=4, local_rank=3, local_world_size=4, node_rank=0, master_addr="gpu07",
+                      master_port=29501, job_id="1", restart_count=0, launcher="srun", hostname="gpu07",
+                      backend="nccl", device=torch.device("cuda", 0))
     seen = []
 
     @contextmanager

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from slurm.env import expand_hostlist, in_srun_task, rendezvous_port, slurm_task_env
+from slurm.env import expand_hostlist, in_srun_task, rendezvous_port, task_identity
 
 
 @pytest.mark.parametrize("text,hosts", [
@@ -30,18 +30,18 @@ def test_task_env_from_srun_variables():
     env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
            "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2",
            "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_NTASKS_PER_NODE": "4", "SLURM_RESTART_COUNT": "2"}
-    t = slurm_task_env(env)
-    assert in_srun_task(env)
-    assert (t.rank, t.world_size, t.local_rank, t.node_rank, t.num_nodes) == (5, 8, 1, 1, 2)
-    assert t.hostnames == ["gpu07", "gpu08"] and t.master_addr == "gpu07"
+    t = task_identity(env)
+    assert in_srun_task(env) and t.launcher == "srun"
+    assert (t.rank, t.world_size, t.local_rank, t.node_rank) == (5, 8, 1, 1)
+    assert t.master_addr == "gpu07"
     assert t.local_world_size == 4 and t.restart_count == 2
     assert t.master_port == rendezvous_port("4242") == 29500 + 4242
 
 
 def test_not_in_srun_task():
     assert not in_srun_task({"SLURM_JOB_ID": "1"})
-    with pytest.raises(KeyError):
-        slurm_task_env({})
+    with pytest.raises(KeyError):  # an srun task without its node list
+        task_identity({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0"})
 
 
 def test_ports_differ_between_jobs_and_stay_in_range():

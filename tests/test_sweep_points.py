@@ -100,14 +100,14 @@ def test_a_point_that_does_not_compose_is_an_error_not_an_exception(hydra_loader
 
 
 def test_array_elements_are_named_arrayid_taskid_and_keep_distinct_ports():
-    from slurm.env import rendezvous_port, slurm_job_id, slurm_task_env
+    from slurm.env import rendezvous_port, slurm_job_id, task_identity
 
     env = {"SLURM_JOB_ID": "231", "SLURM_ARRAY_JOB_ID": "231", "SLURM_ARRAY_TASK_ID": "2", "SLURM_STEP_ID": "0",
            "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
            "SLURM_STEP_NODELIST": "node1"}
-    task = slurm_task_env(env)
+    task = task_identity(env)
     assert task.job_id == slurm_job_id(env) == "231_2"  # raw 231 would name the whole array
     assert task.master_port == rendezvous_port("231")
-    other = slurm_task_env(dict(env, SLURM_JOB_ID="232", SLURM_ARRAY_TASK_ID="0"))
+    other = task_identity(dict(env, SLURM_JOB_ID="232", SLURM_ARRAY_TASK_ID="0"))
     assert other.job_id == "231_0" and other.master_port != task.master_port
     assert slurm_job_id({"SLURM_JOB_ID": "7"}) == "7" and slurm_job_id({}) is None

@@ -1,30 +1,121 @@
-"""slurm.env.task_env: the one shape of a task's environment, from torchrun's variables,
-an srun task's SLURM_* variables, or neither; and back to torchrun's variables."""
+"""A task's identity (spec.identity.TaskIdentity): read once from the environment by
+slurm.env.task_identity (torchrun's variables, an srun task's SLURM_* ones, or neither),
+the job id array-aware under every launcher, torchrun's variables rendered in one place.
+Pure: environment dicts in, identities out."""
 from __future__ import annotations
 
-from slurm.env import TaskEnv, rendezvous_port, task_env
+import re
+from pathlib import Path
 
+import pytest
+
+from helpers import compose_run
+from slurm.env import rendezvous_port, task_identity
+from spec.identity import TORCHRUN_VARS, TaskIdentity
+from spec.layout import build_layout
+from spec.user_env import task_environment
+from train.harness.preempt import current_job_id, in_slurm_job
+
+REPO = Path(__file__).resolve().parents[1]
 SRUN = {"SLURM_PROCID": "5", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2",
         "SLURM_NTASKS_PER_NODE": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_RESTART_COUNT": "2"}
+# Element 2 of array 231: its own SLURM_JOB_ID is 233; 231 alone names the whole array.
+ARRAY = {"SLURM_ARRAY_JOB_ID": "231", "SLURM_ARRAY_TASK_ID": "2", "SLURM_JOB_ID": "233"}
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+            "MASTER_ADDR": "node1", "MASTER_PORT": "29600"}
 
 
 def test_an_srun_task():
-    t = task_env(SRUN)
+    t = task_identity(SRUN)
     assert (t.rank, t.world_size, t.local_rank, t.local_world_size, t.node_rank) == (5, 8, 1, 4, 1)
     assert t.master_addr == "gpu07" and t.master_port == rendezvous_port("4242")
-    assert (t.job_id, t.restart_count, t.launcher) == ("4242", 2, "srun")
+    assert (t.job_id, t.restart_count, t.launcher) == ("4242", 2, "srun") and not t.is_main
 
 
 def test_torchrun_variables_win_and_round_trip():
-    t = task_env(SRUN)
+    t = task_identity(SRUN)
     vars_ = t.torchrun_vars()
     assert vars_ == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
                      "MASTER_ADDR": "gpu07", "MASTER_PORT": str(rendezvous_port("4242"))}
-    back = task_env({**SRUN, **vars_})  # torchrun inside an allocation: its variables are the truth
+    back = task_identity({**SRUN, **vars_})  # torchrun inside an allocation: its variables are the truth
     assert back.launcher == "torchrun" and back.torchrun_vars() == vars_ and back.job_id == "4242"
 
 
 def test_no_launcher_is_a_world_of_one():
-    assert task_env({}) == TaskEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
-                                   master_addr="127.0.0.1", master_port=0, job_id="single", launcher="single")
+    assert task_identity({}) == TaskIdentity(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
+                                             master_addr="127.0.0.1", master_port=0, job_id="single",
+                                             restart_count=0, launcher="single")
+
+
+def test_torchrun_outside_slurm_takes_its_run_id():
+    assert task_identity(TORCHRUN).job_id == "local"
+    assert task_identity({**TORCHRUN, "TORCHELASTIC_RUN_ID": "abc"}).job_id == "abc"
+
+
+@pytest.mark.parametrize("launcher, env", [
+    ("torchrun", TORCHRUN),
+    ("srun", {**SRUN, "SLURM_JOB_ID": "233"}),
+    ("single", {}),
+])
+def test_an_array_element_is_named_arrayid_taskid_under_every_launcher(launcher, env):
+    """The torchrun branch took the raw SLURM_JOB_ID: `scontrol requeue 231` would requeue
+    every element of the array."""
+    t = task_identity({**env, **ARRAY})
+    assert t.launcher == launcher and t.job_id == "231_2"
+    assert current_job_id({**env, **ARRAY}) == "231_2"
+
+
+def test_array_elements_keep_distinct_rendezvous_ports():
+    """The port comes from the raw SLURM_JOB_ID, which differs between elements running at once."""
+    mine = task_identity({**SRUN, **ARRAY})
+    other = task_identity({**SRUN, **ARRAY, "SLURM_JOB_ID": "234", "SLURM_ARRAY_TASK_ID": "3"})
+    assert mine.master_port == rendezvous_port("233") != other.master_port
+    assert (mine.job_id, other.job_id) == ("231_2", "231_3")
+
+
+def test_in_slurm_job_is_a_bool_and_the_id_is_asked_apart(monkeypatch):
+    for key in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert in_slurm_job() is False and current_job_id() is None
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert in_slurm_job() is True and current_job_id() == "4242"
+    assert in_slurm_job(ARRAY) is True and in_slurm_job({}) is False
+
+
+def test_placed_tasks_follow_the_layout():
+    layout = build_layout(compose_run(["cluster.nodes=2", "cluster.gpus_per_node=4"]))
+    t = TaskIdentity.placed(layout, 6, "127.0.0.1", 29501)
+    assert (t.rank, t.world_size, t.local_rank, t.local_world_size, t.node_rank) == (6, 8, 2, 4, 1)
+    assert task_identity(t.torchrun_vars()) == t  # the local launcher's rank reads back what it was given
+
+
+def test_users_code_gets_the_tasks_own_torchrun_variables(tmp_path):
+    """The user's environment renders the identity read from the task (here torchrun's, with
+    two ranks a node although the profile says four), not a second copy from the layout."""
+    cfg = compose_run(["cluster.gpus_per_node=4"])
+    task = task_identity(TORCHRUN)
+    env = task_environment(cfg, build_layout(cfg), tmp_path, task=task)
+    assert {k: env[k] for k in TORCHRUN_VARS} == task.torchrun_vars() == TORCHRUN
+    dry = task_environment(cfg, build_layout(cfg), tmp_path, rank=3)
+    assert (dry["RANK"], dry["LOCAL_RANK"], dry["LOCAL_WORLD_SIZE"]) == ("3", "3", "4")
+    assert (dry["MASTER_ADDR"], dry["MASTER_PORT"]) == ("<first node of the job>", "<from the job id>")
+
+
+def test_torchrun_variables_are_rendered_in_one_place():
+    """Only spec.identity writes the set torchrun gives a worker; the project reads it elsewhere."""
+    writes = re.compile(r"""["'](GROUP_RANK|LOCAL_WORLD_SIZE)["']\s*:|\b(GROUP_RANK|LOCAL_WORLD_SIZE)=""")
+    found = [f"{path.relative_to(REPO)}:{n}" for room in ("spec", "slurm", "launcher", "train")
+             for path in sorted((REPO / room).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if writes.search(line)]
+    assert found == []
+
+
+def test_the_harness_context_is_the_identity_and_what_joining_gave():
+    pytest.importorskip("torch")
+    from dataclasses import fields
+
+    from train.harness.dist import DistContext
+
+    assert issubclass(DistContext, TaskIdentity)
+    assert [f.name for f in fields(DistContext)][-3:] == ["hostname", "backend", "device"]

@@ -305,6 +305,21 @@ def test_task_environment_equals_accelerate_launchs(tmp_path, strategy, flags):
     assert ours == _accelerate_launch_env(argv)
 
 
+def test_hsdp_without_reshard_is_accelerates_public_hybrid_shard_zero2(tmp_path):
+    """Accelerate's launcher writes the public HYBRID_SHARD_ZERO2, not torch's private FSDP1
+    enum name _HYBRID_SHARD_ZERO2."""
+    from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
+
+    cfg = compose_run(["+cluster=a100x8", "cluster.nodes=2", "+strategy=hsdp", "strategy.reshard_after_forward=false",
+                       f"entrypoint={PLAIN}"])
+    ours = accelerate_env(cfg, build_layout(cfg), tmp_path)
+    assert ours["FSDP_SHARDING_STRATEGY"] == "HYBRID_SHARD_ZERO2" in FSDP_SHARDING_STRATEGY
+    argv = ["--num_processes", "16", "--num_machines", "2", "--machine_rank", "0", "--main_process_ip", "node1",
+            "--main_process_port", "29500", "--mixed_precision", "bf16", "--use_fsdp", "--fsdp_sharding_strategy",
+            "HYBRID_SHARD_ZERO2", "--fsdp_reshard_after_forward", "HYBRID_SHARD_ZERO2"]
+    assert ours == _accelerate_launch_env(argv)
+
+
 def test_accelerate_deepspeed_json_carries_the_strategy(tmp_path):
     proc = launcher(["+cluster=a100x8", "cluster.nodes=2", "+strategy=zero3_offload", f"entrypoint={PLAIN}",
                      "launcher.dry_run=true"], cwd=tmp_path)

@@ -19,36 +19,28 @@ import gc
 import os
 import socket
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, MutableMapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from slurm.env import task_env
+from slurm.env import task_identity
 from spec.device import DeviceError, device_index, no_cuda_line
+from spec.identity import TaskIdentity
 from spec.rundir import NO_CUDA
 from train.torch_compat import require_supported_torch
 
 
 @dataclass(frozen=True)
-class DistContext:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    hostname: str
-    backend: str
-    device: torch.device
-    job_id: str
-    restart_count: int
-    launcher: str  # "srun" | "torchrun" | "single"
+class DistContext(TaskIdentity):
+    """This task's identity (:class:`spec.identity.TaskIdentity`, read once from the
+    environment) and what joining the process group gave it."""
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    hostname: str
+    backend: str  # "nccl" | "gloo"
+    device: torch.device
 
 
 def nccl_env_defaults(trace_dir: Optional[Path], env: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
@@ -126,7 +118,7 @@ def init_distributed(timeout_s: int = 600, trace_dir: Optional[Path] = None, acc
     recorder dumps into ``trace_dir`` (the run's logs/) on a collective timeout.
     """
     require_supported_torch()  # an older torch: one line here, not an error deep in DCP later
-    info = task_env()
+    info = task_identity()
     device = pick_device(accelerator, gpu_binding, info.local_rank, info.local_world_size)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
@@ -141,10 +133,7 @@ def init_distributed(timeout_s: int = 600, trace_dir: Optional[Path] = None, acc
         dist.init_process_group(backend, init_method="env://",
                                 rank=info.rank, world_size=info.world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
-    return DistContext(rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
-                       local_world_size=info.local_world_size, node_rank=info.node_rank,
-                       hostname=socket.gethostname(), backend=backend, device=device, job_id=str(info.job_id),
-                       restart_count=info.restart_count, launcher=info.launcher)
+    return DistContext(**asdict(info), hostname=socket.gethostname(), backend=backend, device=device)
 
 
 def all_hostnames(ctx: DistContext) -> list[str]:

@@ -66,7 +66,7 @@ def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int
 
     fields: Dict[str, Any] = {"status": Status.FAILED, "error": f"{type(exc).__name__}: {str(exc)[:500]}",
                               "ended_at": time.time()}
-    job = preempt.in_slurm_job()
+    job = preempt.current_job_id()
     if isinstance(exc, DeviceError):  # a refusal at start, before any collective: its line says it all
         log.error("%s", exc)
         fields["failure"] = exc.failure
@@ -152,7 +152,7 @@ def record_outcome(outcome: str, cfg: RunConfig, run_dir: Path, info: dict, log:
 
 def after_interruption(cfg: RunConfig, run_dir: Path, info: dict, log: logging.Logger, flag: PreemptionFlag) -> None:
     """Rank 0, checkpoint committed: count the interruption, requeue unless capped."""
-    job = preempt.in_slurm_job()
+    job = preempt.current_job_id()
     if not flag.agreed_requeue:  # SIGTERM only: scancel, or a requeue Slurm does itself
         update_run_json(run_dir, status=Status.INTERRUPTED, last_interruption="terminated", ended_at=time.time())
         log.info("SIGTERM: checkpoint committed; not requeued (cancelled, or Slurm requeues it itself)")

@@ -10,7 +10,7 @@
 4. Rank 0 decides: a signal with little time left is a *timeout*, otherwise a
    *preemption* (counted separately in run.json). Unless the cap ``cluster.max_requeues``
    is reached, rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` (``ARRAYID_TASKID`` in a job
-   array: see :func:`in_slurm_job`): the job keeps its id and run directory, and the
+   array: see :func:`current_job_id`): the job keeps its id and run directory, and the
    restarted tasks resume from the checkpoint. Then every rank
    exits cleanly. A SIGTERM alone (no USR2 before it) is a cancellation or an
    administrator's requeue: the checkpoint is saved but the job is not requeued by us
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from slurm import query
 from slurm.env import slurm_job_id
@@ -113,8 +113,15 @@ requeue = query.requeue  # None on success, else Slurm's error text
 cancel = query.cancel
 
 
-def in_slurm_job() -> Optional[str]:
-    """The id to requeue, cancel or query this job by. In an element of a job array that is
-    "ARRAYID_TASKID": the element's own SLURM_JOB_ID equals the array's id for one element,
-    and `scontrol requeue`/`scancel` of that id act on every element (seen on Slurm 22.05)."""
-    return slurm_job_id()
+def current_job_id(env: Mapping[str, str] | None = None) -> Optional[str]:
+    """The id to requeue, cancel or query this job by; None outside a Slurm job. In an
+    element of a job array that is "ARRAYID_TASKID" (:func:`slurm.env.slurm_job_id`, as in
+    the task's :class:`~spec.identity.TaskIdentity`): the element's own SLURM_JOB_ID equals
+    the array's id for one element, and `scontrol requeue`/`scancel` of that id act on
+    every element (seen on Slurm 22.05)."""
+    return slurm_job_id(env)
+
+
+def in_slurm_job(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process runs inside a Slurm job (one it can requeue or cancel)."""
+    return current_job_id(env) is not None

@@ -161,7 +161,7 @@ def run_preflight(ctx, run_dir: Path, threshold: float, exclude: bool, log: Call
     from train.harness.badnodes import requeue_without_suspects
     from train.harness.dist import shutdown
     from train.harness.health import gpu_health
-    from train.harness.preempt import in_slurm_job
+    from train.harness.preempt import current_job_id
     from spec.rundir import Status, update_run_json
 
     t0 = time.time()
@@ -191,6 +191,6 @@ def run_preflight(ctx, run_dir: Path, threshold: float, exclude: bool, log: Call
         if ctx.is_main:
             update_run_json(run_dir, status=Status.FAILED, failure=FAILURE, suspect_nodes=bad, error=message,
                             ended_at=time.time())
-            requeue_without_suspects(run_dir, log, in_slurm_job())  # while requeues are left
+            requeue_without_suspects(run_dir, log, current_job_id())  # while requeues are left
         raise PreflightError(message)
     return report

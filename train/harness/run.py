@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from slurm.env import task_env
+from slurm.env import task_identity
 from spec.config import RunConfig, to_run_config
 from spec.device import DeviceError
 from spec.validate import WATCHDOG_GRACE_S, validate
@@ -128,7 +128,7 @@ def _join(run_dir: Path):
         ctx = init_distributed(cfg.train.dist_timeout_s, trace_dir=run_dir / "logs",
                                accelerator=cfg.cluster.accelerator, gpu_binding=cfg.cluster.gpu_binding)
     except DeviceError as exc:
-        te = task_env()
+        te = task_identity()
         refuse_start(exc, run_dir, te.rank, te.world_size, rank_logger(run_dir, te.rank))
     if ctx.world_size != layout.world_size:
         raise RuntimeError(f"the job has {ctx.world_size} ranks but the layout needs {layout.world_size} "

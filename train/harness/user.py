@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from slurm.env import expand_hostlist, task_env
+from slurm.env import expand_hostlist, task_identity
 from spec.config import RunConfig, to_run_config
 from spec.device import DeviceError
 from spec.layout import build_layout
@@ -101,7 +101,7 @@ class _Task:
     cfg: RunConfig
     run_dir: Path
     entry: Dict[str, Any]
-    te: Any  # slurm.env.TaskEnv
+    te: Any  # spec.identity.TaskIdentity
     info: Dict[str, Any]  # run.json as the segment started
     log: Any  # logging.Logger
 
@@ -112,10 +112,10 @@ def _prepare(run_dir: Path) -> Optional[_Task]:
     cfg = to_run_config(run_dir / CONFIG)
     layout = build_layout(cfg)
     entry = json.loads((run_dir / ENTRYPOINT).read_text())
-    te = task_env()
+    te = task_identity()
     if te.world_size != layout.world_size:
         raise RuntimeError(f"the job has {te.world_size} tasks but the layout needs {layout.world_size}")
-    os.environ.update(task_environment(cfg, layout, run_dir, te.rank, te.master_addr, str(te.master_port)))
+    os.environ.update(task_environment(cfg, layout, run_dir, task=te))
     # One intra-op thread pool per task sized to its CPUs, as torchrun does (OMP_NUM_THREADS):
     # srun tasks otherwise each start one thread per core of the node (steps 30x slower here).
     os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK") or str(max(1, cfg.cluster.task_cpus())))
