@@ -4,7 +4,6 @@ into a temporary folder, `make gpu-check`'s script in its dry mode (no GPU here)
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -12,20 +11,15 @@ from pathlib import Path
 
 import pytest
 
+import docpages
 from conftest import REPO, launcher
 
 DOC = REPO / "docs" / "gpu.md"
 
 
 def commands() -> list:
-    """The command lines of the page's ```bash blocks, comments dropped."""
-    lines = []
-    for block in re.findall(r"```bash\n(.*?)```", DOC.read_text(), flags=re.S):
-        for line in block.splitlines():
-            line = line.split("  #", 1)[0].strip()
-            if line:
-                lines.append(line)
-    return lines
+    """The command lines of the page's ```bash blocks, comments dropped (tests/docpages.py)."""
+    return docpages.commands(DOC)
 
 
 def test_the_page_shows_the_commands_this_file_runs():
@@ -76,6 +70,6 @@ def test_make_gpu_check_script_runs_in_dry_mode(tmp_path):
 
 
 def test_make_targets_named_by_the_page_exist():
-    targets = set(re.findall(r"^([a-z][\w-]*):", (REPO / "Makefile").read_text(), flags=re.M))
+    targets = docpages.makefile_targets()
     assert {"gpu-check", "gpu-wheels", "test-gpu", "test-torch-floor"} <= targets
     assert Path(REPO / "bench/gpu_check.sh").exists()
