@@ -179,7 +179,10 @@ class CheckpointConfig:
     # the state to memory). Saves on preemption are always synchronous.
     async_save: bool = False
     # Also save after the last step (what `python -m launcher.export` then exports).
-    save_final: bool = False
+    # null (the default): yes whenever periodic checkpoints are on (every_steps or
+    # every_minutes > 0), so a finished run's last steps are in a checkpoint; true / false:
+    # always / never.
+    save_final: Optional[bool] = None
     # DeepSpeed: load the checkpoint in DeepSpeed's universal format. Set by the trainer
     # itself when it resumes a ZeRO checkpoint saved at another data-parallel size or
     # stage (launcher.resume RUN_DIR cluster.nodes=M); leave it false.

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from spec.batch import peak_lr
-from spec.config import RunConfig
+from spec.config import CheckpointConfig, RunConfig
 from spec.model_size import flops_per_token
 from spec.rundir import MetricsRow, Status, shape_line
 from train.checkpoint import Checkpointer
@@ -147,6 +147,15 @@ def _save_due(task: Task, last_save: float) -> bool:
     return (every > 0 and time.monotonic() - last_save >= every * 60) or (task.run_dir / SAVE_REQUEST).exists()
 
 
+def saves_last_step(c: CheckpointConfig) -> bool:
+    """Whether the step that ends the run is saved: ``checkpoint.save_final``, or, when it
+    is null, whenever periodic checkpoints are on (else ``launcher.export`` of a finished
+    run would export the last periodic save and silently drop the steps after it)."""
+    if c.save_final is not None:
+        return c.save_final
+    return c.every_steps > 0 or c.every_minutes > 0
+
+
 class Meter:
     """A step's metrics row from its timing and the agreed values."""
 
@@ -198,7 +207,7 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         every = cfg.checkpoint.every_steps
         last = step + 1 == cfg.train.steps
         if (agreed.preempted or agreed.save_due or (every and (step + 1) % every == 0 and not last)
-                or (last and cfg.checkpoint.save_final)):
+                or (last and saves_last_step(cfg.checkpoint))):
             if agreed.preempted and ctx.is_main:  # when the signal came (bench/goodput.py); this line: save start
                 received = task.flag.received_at
                 log(f"signal agreed at step {step + 1}: received by rank 0 at "
