@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt slurm/cluster/install-deps.sh
 demo: setup
 	$(BIN)/python -m launcher $(ARGS)
 
-## test: the whole suite, with the real local Slurm cluster started for it. The Slurm
-## tests run one after another beside the rest (tests/run_suite.sh: two pytest processes).
+## test: the whole suite, with the real local Slurm cluster started for it (tests/run_suite.sh:
+## four pytest processes: the tests without Slurm, beside the Slurm tests in two runs on a
+## node pair each, then the tests that need the whole cluster).
 test: setup
 	bash slurm/cluster/up.sh
 	status=0; PYTHON=$(BIN)/python bash tests/run_suite.sh $(PYTEST_ARGS) || status=$$?; \

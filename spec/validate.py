@@ -37,12 +37,13 @@ _POSITIVE = (
 _NON_NEGATIVE = (
     "cluster.signal_delay_s", "cluster.max_requeues", "cluster.hang_timeout_s", "cluster.nvlink_domain",
     "cluster.mem_gb", "cluster.cpus_per_task", "checkpoint.every_steps", "checkpoint.every_minutes",
-    "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "data.seed", "fault.step_delay_s", "fault.kill_in_save_at_step",
+    "optim.lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "data.seed", "fault.step_delay_s", "fault.kill_in_save_at_step",
     "fault.hang_at_step", "fault.hang_s", "fault.raise_at_step", "fault.slow_async_save_s", "train.gc_every_steps",
 )
 
 # Must be > 0 (and finite): a zero or negative value is meaningless or divides by zero.
-_POSITIVE_REAL = ("optim.lr", "optim.eps", "model.norm_eps", "model.rope_theta", "model.ffn_dim_multiplier")
+# (optim.lr may be 0, as torch allows: a frozen-weights check or an evaluation run.)
+_POSITIVE_REAL = ("optim.eps", "model.norm_eps", "model.rope_theta", "model.ffn_dim_multiplier")
 
 # null = unknown / derived; otherwise > 0.
 _OPTIONAL_POSITIVE = ("cluster.peak_tflops_bf16", "cluster.gpu_mem_gb", "cluster.intra_node_gbps",
