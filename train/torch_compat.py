@@ -31,6 +31,10 @@ through :func:`torch_save_without_crc`, which keeps torch.save's CRC where a rel
   wrapper's prefix, which DCP and FSDP rely on), as torchtitan uses it; no public
   equivalent. :func:`checkpoint_wrapper` imports it, or says what is missing.
 
+- ``torch.utils.cpp_extension.TORCH_LIB_PATH``, a module constant that its JIT builds
+  link against, unquoted: :func:`link_path_without_spaces` repoints it under a path with
+  a space (DeepSpeed's CPU communication op, train/strategies/deepspeed.py).
+
 Left where it is (another file's work): ``torch._foreach_copy_`` in
 train/checkpoint/async_save.py (a private op of the ``_foreach`` family, the same in both).
 """
@@ -144,6 +148,38 @@ def flatten_mesh(mesh, name: str):
     if not callable(getattr(mesh, "_flatten", None)):
         raise _missing("DeviceMesh._flatten", f"the data-parallel mesh {name!r} is built with")
     return mesh._flatten(name)
+
+
+def link_path_without_spaces() -> Optional[str]:
+    """Where a JIT-built extension links against torch's libraries, made safe for a path
+    with a space; call it before DeepSpeed joins the process group.
+
+    ``torch.utils.cpp_extension`` writes ``-L{TORCH_LIB_PATH}`` unquoted into the ninja file
+    of a JIT build (read on 2.11 and 2.13), so in a checkout whose path holds a space (its
+    .venv with it) the linker gets two words and DeepSpeed's CPU communication op
+    (deepspeed_shm_comm, built as DeepSpeed joins the group) fails to build. There, that
+    module constant is pointed at a symlink to torch's lib directory in the temporary
+    directory. The path the build links against then, or None (torch's own, unchanged)."""
+    import hashlib
+    import os
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    lib = getattr(cpp_extension, "TORCH_LIB_PATH", None)
+    if not isinstance(lib, str) or not any(ch.isspace() for ch in lib):
+        return None
+    link = os.path.join(tempfile.gettempdir(), f"sto-torch-lib-{hashlib.sha1(lib.encode()).hexdigest()[:12]}")
+    if any(ch.isspace() for ch in link):
+        raise DeviceError(f"torch's libraries ({lib}) and the temporary directory ({tempfile.gettempdir()}) both "
+                          "have a space in their path, where DeepSpeed's CPU op cannot be linked; set TMPDIR to a "
+                          "directory without one")
+    try:
+        os.symlink(lib, link)
+    except FileExistsError:  # another rank's, or an earlier run's: the same target (the name is its hash)
+        pass
+    cpp_extension.TORCH_LIB_PATH = link
+    return link
 
 
 def checkpoint_wrapper(module: torch.nn.Module, preserve_rng_state: bool) -> torch.nn.Module:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from spec.ds_config import deepspeed_config, use_bf16
+from train.torch_compat import link_path_without_spaces
 from train.strategies.base import (Batch, DeviceMemory, EngineBuilder, build_adamw, forward_loss, loss_fn,
                                    set_lr)
 
@@ -114,6 +115,7 @@ class DeepSpeedBuilder(EngineBuilder):
                                 message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`")
         # The process group exists already (train.harness.dist); this makes DeepSpeed use it
         # with the same backend. Without it DeepSpeed's CPU accelerator would ask for oneCCL.
+        link_path_without_spaces()  # its CPU op is built here, and would not link under a path with a space
         deepspeed.init_distributed(dist_backend=self.ctx.backend, verbose=False)
 
     def _partitioned_init(self) -> bool:
