@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Dict, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -16,7 +17,7 @@ from omegaconf import DictConfig
 
 from launcher.launch import Session, run_point
 from launcher.overrides import check_overrides
-from launcher.provenance import register_resolvers
+from launcher.provenance import register_resolvers, remove_made
 from spec.config import ConfigError, register_configs
 
 
@@ -53,7 +54,8 @@ def _plugin_importable() -> None:
 def main() -> None:
     _plugin_importable()
     register_configs()
-    register_resolvers()
+    made: Dict[str, Optional[Path]] = {}  # run directory -> what Hydra makes of it (launcher.provenance)
+    register_resolvers(made)
     args = sys.argv[1:]
     multirun = "-m" in args or "--multirun" in args
     if multirun:  # Hydra's parser takes no override after -m; users write -m anywhere
@@ -66,7 +68,13 @@ def main() -> None:
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(2)
     session = Session(multirun=multirun)
-    hydra.main(version_base="1.3", config_path="../conf", config_name="config")(_task_function(session))()
+    try:
+        hydra.main(version_base="1.3", config_path="../conf", config_name="config")(_task_function(session))()
+    except SystemExit as exc:
+        if exc.code == 2 and not multirun:  # refused: none of the directories Hydra made for it stays
+            for run_dir, first in made.items():
+                remove_made(Path(run_dir), first)
+        raise
     if not multirun:
         return
     if not session.accepted and session.skipped:

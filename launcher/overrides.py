@@ -71,24 +71,83 @@ def _field_names(cls: Any) -> List[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def check_key(key: str) -> None:
-    """Raise ConfigError unless ``key`` (dotted) is a field of the schema."""
+def check_key(key: str) -> Optional[Tuple[Any, Any]]:
+    """Raise ConfigError unless ``key`` (dotted) is a field of the schema. (the dataclass
+    that declares it, its type hint), or None inside a free-form mapping."""
     parts = key.split(".")
     cls: Any = RunConfig
+    owner, hint = None, None
     for depth, part in enumerate(parts):
         if not dataclasses.is_dataclass(cls):
             origin = typing.get_origin(cls)
             if origin in (dict, typing.Dict):
-                return  # free-form mapping such as cluster.env.NCCL_DEBUG
+                return None  # free-form mapping such as cluster.env.NCCL_DEBUG
             raise ConfigError(f"unknown field {key!r}: {'.'.join(parts[:depth])} has no sub-fields")
         hints = typing.get_type_hints(cls)
         if part not in hints:
             where = ".".join(parts[:depth]) or "the config"
             raise ConfigError(f"unknown field {key!r}: {where} has no field {part!r}; known: "
                               f"{', '.join(_field_names(cls))}")
-        cls = hints[part]
-        if typing.get_origin(cls) is typing.Union:  # Optional[X]
-            cls = next(a for a in typing.get_args(cls) if a is not type(None))
+        owner, hint = cls, hints[part]
+        cls = _unwrap(hint)[0]
+    return owner, hint
+
+
+def _unwrap(hint: Any) -> Tuple[Any, bool]:
+    """(X, True) for Optional[X], else (hint, False)."""
+    if typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None)), True
+    return hint, False
+
+
+# What a scalar field takes, for the error, and an example when its default is null.
+_KINDS = {bool: ("true or false", "true"), int: ("an integer", "2"), float: ("a number", "0.5"),
+          str: ("a string", "text")}
+
+
+def _surely_valid(hint: Any, value: Any) -> bool:
+    """A quick yes for the usual values; False: ask OmegaConf (it converts more, e.g. '3')."""
+    base, optional = _unwrap(hint)
+    if value is None:
+        return optional
+    if base is bool:
+        return isinstance(value, bool)
+    if base is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base is str:
+        return isinstance(value, (str, int, float, bool))
+    if typing.get_origin(base) in (list, List):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return True  # mappings, nested sections: Hydra's own merge decides
+
+
+def check_value(key: str, value: Any, text: str) -> None:
+    """Raise ConfigError when ``value`` (parsed by Hydra) does not convert to the type of
+    field ``key``: one line instead of Hydra's six (exit 1)."""
+    found = check_key(key)
+    if found is None or (isinstance(value, str) and "${" in value) or _surely_valid(found[1], value):
+        return
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    owner, hint = found
+    name = key.rsplit(".", 1)[-1]
+    try:
+        OmegaConf.update(OmegaConf.structured(owner), name, value, merge=True)
+        return
+    except ValidationError:
+        pass
+    base, optional = _unwrap(hint)
+    kind, example = _KINDS.get(base, ("a list such as [a,b]", "[a,b]") if typing.get_origin(base) in (list, List)
+                               else (f"a value of type {base}", None))
+    default = next(f.default for f in dataclasses.fields(owner) if f.name == name)
+    if isinstance(default, (bool, int, float, str)):
+        example = str(default).lower() if isinstance(default, bool) else default
+    fix = f"; e.g. {key}={example}" if example is not None else ""
+    shown = "null" if value is None else repr(value)
+    raise ConfigError(f"{key}={text}: {key} takes {kind}{' or null' if optional else ''}, not {shown}{fix}")
 
 
 def check_overrides(args: List[str], multirun: bool) -> None:
@@ -127,3 +186,19 @@ def check_overrides(args: List[str], multirun: bool) -> None:
             raise ConfigError(f"{text}: unknown config group {key!r}; groups are {', '.join(GROUPS)} (conf/), "
                               "or a directory of your own config directory (--config-dir DIR)")
         check_key(key)
+        for value in _values(o):
+            check_value(key.lstrip("+~"), value, o.get_value_element_as_str() if not o.is_sweep_override()
+                        else str(value))
+
+
+def _values(o: Any) -> List[Any]:
+    """The values an override gives its field: one, those of a choice sweep (``a,b``), or
+    none to check (a deletion, a range or interval sweep: numbers Hydra makes itself)."""
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    if o.is_delete():
+        return []
+    if not o.is_sweep_override():
+        return [o.value()]
+    value = o.value()
+    return list(value.list) if isinstance(value, ChoiceSweep) else []

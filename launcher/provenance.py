@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 # Overrides that do not change what a run computes.
 _IGNORED = ("launcher.wait", "launcher.dry_run", "launcher.root", "launcher.run_dir", "hydra.", "hydra/")
@@ -50,16 +50,50 @@ def resolve_run_dir(root: str, explicit: Optional[str]) -> str:
     return str(explicit) if explicit not in (None, "", "None") else os.path.join(root, slug(cli_overrides()))
 
 
+def outermost_missing(path: Path) -> Optional[Path]:
+    """The first directory ``mkdir -p path`` would make (``path`` or one of its parents),
+    or None when ``path`` exists."""
+    path = path.absolute()
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def remove_made(run_dir: Path, made: Optional[Path]) -> None:
+    """Remove ``run_dir`` and its parents up to ``made`` (what Hydra made for this run)
+    while they are empty: a refused command leaves nothing behind."""
+    if made is None:
+        return
+    run_dir, made = run_dir.absolute(), made.absolute()
+    for d in (run_dir, *run_dir.parents):
+        if d != made and made not in d.parents:
+            return
+        try:
+            d.rmdir()
+        except OSError:  # not empty (another run's), or gone
+            return
+
+
 def resolve_sweep_dir(root: str, explicit: Optional[str]) -> str:
     if explicit not in (None, "", "None"):
         return str(explicit)
     return os.path.join(root, "multirun", slug(cli_overrides()))
 
 
-def register_resolvers() -> None:
+def register_resolvers(made: Optional[Dict[str, Optional[Path]]] = None) -> None:
+    """``made``: filled with run directory -> :func:`outermost_missing` of it when first
+    resolved, before Hydra makes it (the launcher removes it again on a refusal)."""
     from omegaconf import OmegaConf
 
-    OmegaConf.register_new_resolver("sto_run_dir", resolve_run_dir, replace=True)
+    def run_dir(root: str, explicit: Optional[str]) -> str:
+        path = resolve_run_dir(root, explicit)
+        if made is not None and path not in made:
+            made[path] = outermost_missing(Path(path))
+        return path
+
+    OmegaConf.register_new_resolver("sto_run_dir", run_dir, replace=True)
     OmegaConf.register_new_resolver("sto_sweep_dir", resolve_sweep_dir, replace=True)
 
 

@@ -7,7 +7,7 @@ is reported, not retrained. Exit 2 on a bad run directory.
 Overrides after RUN_DIR (Hydra's ``key=value``, and ``strategy=NAME`` for a strategy
 profile) apply to the saved config: ``cluster.nodes=1``, ``cluster.gpus_per_node=4``,
 ``strategy=fsdp`` resume the checkpoint on another shape (README: "Resume on another
-shape"). What the checkpoint cannot continue is refused with one line (exit 2, nothing
+shape"); ``launcher.wait=true`` waits as ``--wait`` does. What the checkpoint cannot continue is refused with one line (exit 2, nothing
 written or submitted): the model, the data stream (``data.*``, ``train.seq_len``), a
 switch between the torch engine and DeepSpeed, and a change to or from DeepSpeed's stage
 0. The torch strategies reshape freely (data, tensor and pipeline degrees: DCP); ZeRO
@@ -27,12 +27,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import List
 
 from launcher.checks import already_done, check
 from launcher.launch import Point, dry_run, start
 from launcher.track.resume import conversion_stage, exclude_failed_nodes, record_reshape, reshape
 from launcher.track.summary import summary_lines
-from spec.config import ConfigError, to_run_config
+from spec.config import ConfigError, RunConfig, to_run_config
 from spec.rundir import CONFIG
 
 
@@ -76,4 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run(point)
     if args.overrides:
         record_reshape(run_dir, cfg, new, args.overrides)
-    return start(None, point, wait=args.wait, convert=convert)
+    return start(None, point, wait=wait_asked(args.wait, args.overrides, new), convert=convert)
+
+
+def wait_asked(flag: bool, overrides: List[str], new: RunConfig) -> bool:
+    """``--wait``, or ``launcher.wait=true`` among this resume's overrides (as ``python -m
+    launcher`` takes it). The saved config's value, the launch's, is not this command's ask."""
+    given = [o.split("=", 1)[0].lstrip("+") for o in overrides]
+    return flag or ("launcher.wait" in given and new.launcher.wait)

@@ -262,7 +262,7 @@ def test_table_output():
     (["plan.top=abc"], "plan.top must be a int"),
     (["train.foo=1"], "unknown field 'train.foo'"),
     (["+cluster=a100x8", "cluster.nodes=1,2"], "add -m"),
-    (["+cluster=a100x8", "cluster.nodes=abc"], "cannot compose"),
+    (["+cluster=a100x8", "cluster.nodes=abc"], "cluster.nodes takes an integer, not 'abc'"),
     (["+cluster=a100x8", "train.seq_len=8192"], "exceeds model.max_seq_len=256"),
     (["+cluster=a100x8", "+strategy=ddp", "strategy.tensor_parallel=16"], "TP must stay inside one node"),
 ])
@@ -396,8 +396,12 @@ def test_nothing_runnable_exits_1_with_the_reason_in_text_and_json():
     js = plan_cli([*args, "plan.format=json", "plan.recommend=true"])
     assert js.returncode == 1 and "no layout of llama3_405b" in js.stderr
     assert json.loads(js.stdout) == [{"error": js.stderr.strip()[len("error: "):]}]
-    rows = plan_cli([*args, "+strategy=fsdp", "plan.format=json"])  # a plan, no recommendation asked: 0
-    assert rows.returncode == 0 and json.loads(rows.stdout)[0]["fits"] is False
+    # the plan of one strategy: the same exit status as its text, the JSON still printed;
+    # with no ranking asked (plan.top=0), 0 in both
+    rows = plan_cli([*args, "+strategy=fsdp", "plan.format=json"])
+    assert rows.returncode == plan_cli([*args, "+strategy=fsdp"]).returncode == 1, rows.stderr
+    assert json.loads(rows.stdout)[0]["fits"] is False and "no layout of llama3_405b" in rows.stderr
+    assert plan_cli([*args, "+strategy=fsdp", "plan.format=json", "plan.top=0"]).returncode == 0
 
 
 def test_every_strategy_skipped_is_bad_input():

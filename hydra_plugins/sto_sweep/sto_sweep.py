@@ -69,11 +69,10 @@ class StoSweeper(BasicSweeper):
     def sweep(self, arguments: List[str]) -> Any:
         """Hydra's sweep; the launcher's session learns whether this invocation made the
         sweep directory, so a sweep refused whole leaves none behind (launcher.__main__)."""
-        made = Path(str(self.config.hydra.sweep.dir)).absolute() if self.config is not None else None
-        if made is not None and made.exists():
-            made = None
-        while made is not None and not made.parent.exists():  # runs/multirun/... made anew
-            made = made.parent
+        from launcher.provenance import outermost_missing
+
+        # runs/multirun/... made anew
+        made = outermost_missing(Path(str(self.config.hydra.sweep.dir))) if self.config is not None else None
         try:
             return super().sweep(arguments)
         finally:

@@ -13,7 +13,9 @@ sweep (``cluster.nodes=1,2,4 -m``; JSON objects then carry the point's overrides
 
 ``--config-dir DIR`` (or ``hydra.searchpath=[file://DIR]``) adds a team's own config
 groups, as for ``python -m launcher``; the printed #1 command carries it. Bad input exits
-2 with one line, as ``python -m launcher`` does. :func:`check_fits` is
+2 with one line, as ``python -m launcher`` does. Where no layout fits and runs (with
+``plan.top`` > 0) it exits 1 with the reason on stderr, in text and JSON alike (the JSON
+still printed). :func:`check_fits` is
 the launcher's gate before submission. Pure: no torch import (see docs/planner.md).
 """
 from __future__ import annotations
@@ -269,8 +271,13 @@ def plan_point(composer: PointComposer, overrides: List[str], opts: Dict[str, ob
     base = rows[0][1]
     batch = int(opts["global_batch"] or base.train.micro_batch_size * base.train.grad_accum
                 * base.cluster.nodes * base.cluster.gpus_per_node)
-    wanted = opts["recommend"] if opts["format"] == "json" else opts["top"]
-    return rows, base, batch, candidates(base, batch, float(opts["mfu"])) if wanted else []
+    return rows, base, batch, candidates(base, batch, float(opts["mfu"])) if ranking_wanted(opts) else []
+
+
+def ranking_wanted(opts: Dict[str, object]) -> bool:
+    """Whether the layouts are ranked: ``plan.top`` > 0 in either format (so that where
+    nothing fits and runs both exit 1), or JSON's ``plan.recommend=true``."""
+    return bool(opts["top"]) or (opts["format"] == "json" and bool(opts["recommend"]))
 
 
 def with_config_dirs(args: List[str]) -> Tuple[List[str], str]:
@@ -314,8 +321,7 @@ def _plan_and_print(composer: PointComposer, i: int, point: List[str], opts: Dic
     to ``failed`` (and, in JSON, an object {"error": reason})."""
     rows, base, batch, cands = plan_point(composer, point, opts)
     tag = {"point": " ".join(point)} if multirun else {}
-    wanted = opts["recommend"] if opts["format"] == "json" else opts["top"]
-    reason = nothing_runnable(base, batch, float(opts["mfu"])) if wanted and not cands else ""
+    reason = nothing_runnable(base, batch, float(opts["mfu"])) if ranking_wanted(opts) and not cands else ""
     if reason:
         failed.append(reason + (f" ({' '.join(point)})" if multirun else ""))
     if opts["format"] == "json":
