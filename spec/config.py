@@ -93,7 +93,8 @@ class StrategyConfig:
     reshard_after_forward: bool = True
     # "auto" = bf16 on GPU, fp32 on CPU; or "fp32" / "bf16".
     mixed_precision: str = "auto"
-    # "none" | "selective" | "full".
+    # Blocks recomputed in backward (spec/ac_modes.py): "none" | "every_other" (blocks 0,
+    # 2, ...; "selective" is its old name) | "full".
     activation_checkpointing: str = "none"
     # Pipeline schedule: "gpipe" | "1f1b" | "interleaved_1f1b"; microbatches per step.
     pp_schedule: str = "1f1b"

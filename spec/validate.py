@@ -9,6 +9,7 @@ import dataclasses
 import re
 from typing import Any
 
+from spec.ac_modes import NAMES
 from spec.config import ConfigError, RunConfig
 
 _CHOICES = {
@@ -18,7 +19,7 @@ _CHOICES = {
     "strategy.engine": ("torch", "deepspeed"),
     "strategy.data_parallel": ("ddp", "fsdp", "none"),
     "strategy.mixed_precision": ("auto", "fp32", "bf16"),
-    "strategy.activation_checkpointing": ("none", "selective", "full"),
+    "strategy.activation_checkpointing": NAMES,
     "strategy.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
     "data.source": ("markov", "file", "tokens"),
     "tracking.wandb.mode": ("offline", "online", "disabled"),

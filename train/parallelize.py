@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from spec.ac_modes import ac_mode
 from spec.config import RunConfig
 from spec.layout import Layout
 from spec.support import check_supported
@@ -29,11 +30,11 @@ from train.torch_compat import checkpoint_wrapper  # torch's private wrapper: fe
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
-    """``full``: recompute every block in backward. ``selective``: every other block."""
-    if mode == "none":
-        return
+    """Wrap the blocks that ``mode`` recomputes in backward (spec/ac_modes.py: ``full``
+    every block, ``every_other`` (alias ``selective``) blocks 0, 2, ...; ``none`` none)."""
+    ac = ac_mode(mode)
     for i, (name, block) in enumerate(list(model.layers.items())):
-        if mode == "full" or (mode == "selective" and i % 2 == 0):
+        if ac.recomputes(i):
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 from launcher.plan.costmodel import (MFU, NODE_FACTORS, Candidate, StepTime, candidates, change_overrides,
                                      nearest_runnable, step_time)
-from launcher.plan.memory import GB, Memory, compute_bytes, estimate, host_budget
+from launcher.plan.memory import AC_MODES, GB, Memory, compute_bytes, estimate, host_budget
 from launcher.compose import PointComposer, expand, standalone
 from launcher.overrides import CONF_DIR, check_overrides, group_options, split_args
 from spec.config import ConfigError, RunConfig
@@ -144,15 +144,15 @@ def strategy_table(rows: List[Tuple[str, RunConfig, object]]) -> List[str]:
     def f(x: Optional[float]) -> str:
         return _gb(x, unit)
 
-    lines = [f"memory per GPU in {label}; activations for the configured mode, then none/selective/full",
+    lines = [f"memory per GPU in {label}; activations for the configured mode, then {'/'.join(AC_MODES)}",
              f"{'strategy':<15}{'pp':>3}{'dp_r':>5}{'dp_s':>5}{'tp':>3}{'params':>8}{'grads':>7}{'optim':>7}"
-             f"{'activ':>7} {'none/sel/full':<17}{'buffers':>8}{'overh':>6}{'total':>7}  {'fits (GB)':<14}{'step s':>7}"]
+             f"{'activ':>7} {'none/other/full':<17}{'buffers':>8}{'overh':>6}{'total':>7}  {'fits (GB)':<14}{'step s':>7}"]
     for name, cfg, res in rows:
         if isinstance(res, ConfigError):
             lines.append(f"{name:<15}n/a: {res}")
             continue
         layout, mem, time = res
-        acts = "/".join(f(mem.activations_by_mode[k]) for k in ("none", "selective", "full"))
+        acts = "/".join(f(mem.activations_by_mode[k]) for k in AC_MODES)
         step = f"{time.step_s:.2f}" if time else "-"
         lines.append(f"{name:<15}{layout.pp:>3}{layout.dp_replicate:>5}{layout.dp_shard:>5}{layout.tp:>3}"
                      f"{f(mem.param_bytes):>8}{f(mem.grad_bytes):>7}{f(mem.optimizer_bytes):>7}"

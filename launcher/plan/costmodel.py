@@ -21,15 +21,14 @@ from typing import Dict, List, Optional, Tuple
 from spec.config import ConfigError, RunConfig, StrategyConfig
 from spec.layout import Layout, build_layout
 from spec.model_size import flops_per_token
+from spec.ac_modes import ac_mode
 from spec.support import check_supported
 from spec.validate import validate
 from launcher.plan.memory import AC_MODES, Memory, compute_bytes, estimate, stage_params
 
 MFU = 0.40                   # fraction of peak the matmuls reach (assumption; plan.mfu=...)
 FP32_PEAK = 0.5              # fp32 runs on TF32 tensor cores: half the bf16 peak
-# recomputation: one more forward (2 of the 6 N FLOPs) of every checkpointed block; the
-# project's selective mode checkpoints every other block
-RECOMPUTE = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}
+
 PCIE_GBPS = 25.0             # host <-> GPU for offload (PCIe 4 x16, effective)
 CPU_ADAM_PARAMS_PER_S = 2e8  # torch AdamW on the host, per rank (assumption)
 
@@ -114,8 +113,9 @@ def step_time(cfg: RunConfig, layout: Layout, mfu: float = MFU) -> Optional[Step
     peak = c.peak_tflops_bf16 * 1e12 * (1.0 if e == 2 else FP32_PEAK)
     micro_tokens = t.micro_batch_size * t.seq_len
     fpt = flops_per_token(m, t.seq_len)
-    compute = fpt * micro_tokens * t.grad_accum / (layout.tp * layout.pp) * RECOMPUTE[s.activation_checkpointing] \
-        / (peak * mfu)
+    ac = ac_mode(s.activation_checkpointing)
+    # recomputation: one more forward (2 of the 6 N FLOPs) of every checkpointed block
+    compute = fpt * micro_tokens * t.grad_accum / (layout.tp * layout.pp) * (1 + ac.share / 3) / (peak * mfu)
     bubble = 0.0
     if layout.pp > 1:
         chunks = 2 if s.pp_schedule == "interleaved_1f1b" else 1
@@ -133,7 +133,7 @@ def step_time(cfg: RunConfig, layout: Layout, mfu: float = MFU) -> Optional[Step
     layers = -(-m.n_layers // layout.pp)
     tp_s = pp_s = offload = 0.0
     if layout.tp > 1:
-        reduces = {"none": 4, "selective": 5, "full": 6}[s.activation_checkpointing]
+        reduces = 4 + 2 * ac.share  # per block: 2 in forward, 2 in backward, 2 in a recomputed forward
         volume = reduces * all_reduce_bytes(layout.tp, micro_tokens * m.dim * e) * layers * t.grad_accum
         if layout.pp > 1:  # a pipeline's last stage gathers the logits, scatters their gradient
             volume += 2 * all_gather_bytes(layout.tp, micro_tokens * m.vocab_size * e) * t.grad_accum

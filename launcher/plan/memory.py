@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
+from spec.ac_modes import ALIASES, MODES, ac_mode
 from spec.config import ClusterConfig, ModelConfig, RunConfig
 from spec.layout import Layout
 from spec.model_size import count_params, ffn_hidden_dim, largest_module_params, param_breakdown
@@ -22,7 +23,7 @@ from spec.ds_config import deepspeed_config, use_bf16
 GB = 1e9
 ADAM = 8            # fp32 first and second moments per parameter
 MASTER = 4          # fp32 master copy of a parameter (DeepSpeed ZeRO keeps one per partition)
-AC_MODES = ("none", "selective", "full")
+AC_MODES = tuple(MODES)  # spec/ac_modes.py, cheapest recomputation first
 # CUDA context + cuBLAS workspaces + NCCL communicator buffers per process; an assumption
 # (typical figures, not measured here), counted only on GPU clusters.
 CUDA_OVERHEAD = 2.0e9
@@ -188,8 +189,8 @@ def block_bytes(m: ModelConfig, tp: int, e: int, autocast: bool, checkpointed: b
 
 def checkpointed_blocks(layers: int, mode: str) -> int:
     """Blocks wrapped for recomputation (train/parallelize.py): all for full, every other
-    one (blocks 0, 2, ...) for selective, none for none."""
-    return {"none": 0, "selective": (layers + 1) // 2, "full": layers}[mode]
+    one (blocks 0, 2, ...) for every_other, none for none."""
+    return ac_mode(mode).blocks(layers)
 
 
 def activation_terms(cfg: RunConfig, layout: Layout, mode: str) -> Tuple[float, float, float, float]:
@@ -212,7 +213,7 @@ def activation_terms(cfg: RunConfig, layout: Layout, mode: str) -> Tuple[float, 
         ckpt, kept, last_recomputed = layers, op_sac_block_bytes(m, layout.tp, e), True
     else:
         ckpt = checkpointed_blocks(layers, mode)
-        last_recomputed = mode == "full" or (mode == "selective" and (layers - 1) % 2 == 0)
+        last_recomputed = ac_mode(mode).recomputes(layers - 1)
     saved = ckpt * kept + (layers - ckpt) * full
     flight = full + (full if last_recomputed else 0.0)
     v = vocab_shards(layout)
@@ -382,7 +383,7 @@ def estimate(cfg: RunConfig, layout: Layout, mode: Optional[str] = None) -> Memo
     else:
         init = p
     mode = mode or s.activation_checkpointing
-    acts = {m: activation_bytes(cfg, layout, m) for m in dict.fromkeys((*AC_MODES, mode))}
+    acts = {m: activation_bytes(cfg, layout, m) for m in dict.fromkeys((*AC_MODES, *ALIASES, mode))}
     act = acts[mode]
     gpu = cfg.cluster.accelerator == "gpu"
     overhead = (CUDA_OVERHEAD + FRAGMENTATION * (p + g + o + act + buffers)) if gpu else 0.0
