@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 from launcher import submit
-from launcher.plan.cli import check_fits
+from launcher.plan.gate import check_fits
 from slurm import query
-from slurm.states import is_job_id
+from slurm.states import ended, is_job_id, succeeded
 from spec.config import ConfigError, RunConfig
 from spec.data import check_data
 from spec.layout import Layout, build_layout
-from spec.rundir import Status, read_run_json, status_of
+from spec.rundir import read_run_json, status_of
 from spec.support import check_supported
 from spec.validate import validate
 
@@ -74,13 +74,13 @@ def already_done(cfg: RunConfig, run_dir: Path, slurm_conf: Optional[str],
     runs at once (job id -> state), asked by the caller; None asks squeue here."""
     info = read_run_json(run_dir)
     status = status_of(info)
-    if status is Status.COMPLETED:
+    if succeeded(status):
         return "already completed"
     job = str(info.get("job_id", ""))
     # Any unfinished status may still be queued: "requeued" / "interrupted" ones wait in
     # the queue for their next segment under the same job id. A run that ended ("failed",
     # "stopped") is restarted even while its job is still completing in the queue.
-    if cfg.cluster.backend == "slurm" and not (status and status.ended) and is_job_id(job):
+    if cfg.cluster.backend == "slurm" and not ended(status) and is_job_id(job):
         try:
             found = job in queued if queued is not None else bool(query.squeue([job], query.slurm_env(slurm_conf)))
         except query.SlurmUnavailable:

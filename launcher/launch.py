@@ -24,6 +24,7 @@ from launcher.compose import run_config
 from launcher.provenance import CodeState, code_state, write_provenance
 from launcher.track import registry
 from launcher.track.summary import summary_lines
+from slurm.states import after_local_exit, succeeded
 from spec.batch import batch_line
 from spec.config import ConfigError, RunConfig
 from spec.hf import apply_hf_model
@@ -234,10 +235,11 @@ def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[in
         print(f"local run: {layout.world_size} ranks on this machine\n{batch_line(cfg, layout)}\nrun_dir: {run_dir}",
               flush=True)
         code = local.run_local(cfg, layout, run_dir)
-        if code and status_of(read_run_json(run_dir)) not in (Status.FAILED, Status.INTERRUPTED):
-            update_run_json(run_dir, status=Status.FAILED, error=f"a rank exited with status {code}")
+        end = after_local_exit(status_of(read_run_json(run_dir)), code)
+        if end is not None:
+            update_run_json(run_dir, status=end, error=f"a rank exited with status {code}")
         print("\n".join(summary_lines(run_dir)))
-        return 0 if code == 0 and status_of(read_run_json(run_dir)) is Status.COMPLETED else 1
+        return 0 if succeeded(status_of(read_run_json(run_dir)), exit_code=code) else 1
 
     after = None
     if convert is not None:
@@ -270,4 +272,4 @@ def wait_and_report(job_id: str, run_dir: Path, slurm_conf: Optional[str], poll_
     state = submit.wait(job_id, run_dir, slurm_conf, poll_s, max_poll_s)
     print(f"\njob {job_id}: {state}")
     print("\n".join(summary_lines(run_dir)))
-    return 0 if state == "COMPLETED" and status_of(read_run_json(run_dir)) is Status.COMPLETED else 1
+    return 0 if succeeded(status_of(read_run_json(run_dir)), slurm_state=state) else 1

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from slurm import query, sbatch, submitit_adapter
+from slurm.states import job_over, job_state
 from slurm.submitit_adapter import TaskCall
 from spec.config import ConfigError, RunConfig
 from spec.layout import Layout
@@ -297,13 +298,11 @@ def poll_interval(elapsed_s: float, first_s: float, max_s: float) -> float:
 def wait(job_id: str, run_dir: Path, slurm_conf: Optional[str], poll_s: float = 1.0, max_poll_s: float = 30.0) -> str:
     """Block until the job leaves the queue; return its final Slurm state."""
     env = query.slurm_env(slurm_conf)
-    terminal = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                "DEADLINE")  # PREEMPTED jobs are requeued: keep waiting
     start = time.monotonic()
     while True:
         rows = query.sacct([job_id], env)
-        state = rows.get(job_id, {}).get("State", "PENDING").split()[0]
-        if state in terminal:
+        state = job_state(rows.get(job_id, {}).get("State", "PENDING"))
+        if job_over(state):  # a PREEMPTED job is requeued: keep waiting
             return state
         time.sleep(poll_interval(time.monotonic() - start, poll_s, max_poll_s))
         print(".", end="", file=sys.stderr, flush=True)

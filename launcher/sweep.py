@@ -27,7 +27,8 @@ from launcher import submit
 from launcher.launch import Point, Session, checked, dry_run, prepare, refuse, start, submitted
 from launcher.compose import compose_points
 from slurm import query
-from spec.rundir import Status, read_run_json, status_of
+from slurm.states import ended, is_job_id
+from spec.rundir import read_run_json, status_of
 
 
 @dataclass
@@ -75,12 +76,13 @@ def launch(session: Session, master: Any, loader: Any, job_overrides: Sequence[S
 
 
 def _queued(points: List[Point]) -> Dict[Optional[str], Dict[str, str]]:
-    """Per slurm.conf, squeue's answer (one call) for the points whose run.json says queued."""
+    """Per slurm.conf, squeue's answer (one call) for the points whose job may still be queued."""
     ids: Dict[Optional[str], List[str]] = {}
     for p in points:
         info = read_run_json(p.run_dir) if p.run_dir.is_dir() else {}
-        if p.cfg.cluster.backend == "slurm" and status_of(info) in (Status.SUBMITTED, Status.RUNNING):
-            ids.setdefault(p.slurm_conf, []).append(str(info.get("job_id", "")))
+        job = str(info.get("job_id", ""))
+        if p.cfg.cluster.backend == "slurm" and not ended(status_of(info)) and is_job_id(job):
+            ids.setdefault(p.slurm_conf, []).append(job)  # as checks.already_done: requeued ones wait too
     answers: Dict[Optional[str], Dict[str, str]] = {}
     for conf, jobs in ids.items():
         try:

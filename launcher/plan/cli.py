@@ -15,18 +15,19 @@ sweep (``cluster.nodes=1,2,4 -m``; JSON objects then carry the point's overrides
 groups, as for ``python -m launcher``; the printed #1 command carries it. Bad input exits
 2 with one line, as ``python -m launcher`` does. Where no layout fits and runs (with
 ``plan.top`` > 0) it exits 1 with the reason on stderr, in text and JSON alike (the JSON
-still printed). :func:`check_fits` is
-the launcher's gate before submission. Pure: no torch import (see docs/planner.md).
+still printed). The launcher's gate before submission is :mod:`launcher.plan.gate`.
+Pure: no torch import (see docs/planner.md).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from typing import Dict, List, Optional, Tuple
 
 from launcher.plan.costmodel import (MFU, NODE_FACTORS, Candidate, StepTime, candidates, change_overrides,
                                      nearest_runnable, step_time)
+from launcher.plan.gate import check_fits  # noqa: F401  (the gate, for callers of the planner)
+from launcher.plan.gate import gb as _gb
 from launcher.plan.memory import AC_MODES, GB, Memory, compute_bytes, estimate, host_budget
 from launcher.compose import PointComposer, expand, standalone
 from launcher.overrides import CONF_DIR, check_overrides, group_options, split_args
@@ -110,10 +111,6 @@ def to_json(cfg: RunConfig, layout: Layout, mem: Memory, time: Optional[StepTime
     if time is not None:
         out.update(step_s=time.step_s, tokens_per_s=time.tokens_per_s, mfu=time.mfu)
     return out
-
-
-def _gb(x: Optional[float], unit: float = GB) -> str:
-    return "-" if x is None else f"{x / unit:.1f}"
 
 
 def _fits(mem: Memory) -> str:
@@ -207,50 +204,6 @@ def nothing_runnable(cfg: RunConfig, global_batch: Optional[int] = None, mfu: fl
         return (f"{why}; nothing fits up to {NODE_FACTORS[-1]}x the nodes at any micro-batch: use a shorter "
                 "train.seq_len or more nodes")
     return f"{why}; the nearest that runs: {change_overrides(cfg, nearest)}"
-
-
-def check_fits(cfg: RunConfig, layout: Layout) -> None:
-    """Raise ConfigError (one line) when ``cfg`` on ``layout`` is predicted not to fit its GPUs.
-
-    Skipped when cluster.gpu_mem_gb is null (CPU and unknown clusters) or when
-    ``launcher.allow_oom`` is true."""
-    if not cfg.cluster.gpu_mem_gb or cfg.launcher.allow_oom:
-        return
-    mem = estimate(cfg, layout)
-    if mem.fits:
-        return
-    s, c = cfg.strategy, cfg.cluster
-    fixes = []
-    if s.activation_checkpointing != "full":
-        full = dataclasses.replace(cfg, strategy=dataclasses.replace(s, activation_checkpointing="full"))
-        if estimate(full, layout).fits:
-            fixes.append("strategy.activation_checkpointing=full")
-    try:  # the best layout of this shape, else the nearest change that runs
-        nearest, searched = nearest_runnable(cfg), True
-    except ConfigError:  # the cost model lacks a bandwidth: rank nothing, suggest the rest
-        nearest, searched = None, False
-    fixes.append(f"{change_overrides(cfg, nearest)} in place of +strategy={s.name} and its strategy.* overrides "
-                 f"(python -m launcher.plan +cluster={c.name} +model={cfg.model.name} ranks the layouts that fit)"
-                 if nearest else f"more than {c.nodes * NODE_FACTORS[-1]} nodes (cluster.nodes={c.nodes} now: no "
-                 f"layout fits up to {NODE_FACTORS[-1]}x as many at any micro-batch) or a shorter train.seq_len"
-                 if searched else f"more nodes (cluster.nodes={c.nodes} now)")
-    raise ConfigError(f"{_shortfall(cfg, mem)}; use {' or '.join(fixes)}, or launcher.allow_oom=true to submit "
-                      "anyway")
-
-
-def _shortfall(cfg: RunConfig, mem: Memory) -> str:
-    """What does not fit: the GPU (field gpu_mem_gb) or, with offload, the host (mem_gb)."""
-    s, c = cfg.strategy, cfg.cluster
-    if mem.total_bytes > (mem.gpu_bytes or 0.0):
-        return (f"cluster.gpu_mem_gb={c.gpu_mem_gb:g}: {cfg.model.name} with strategy {s.name} is predicted to need "
-                f"{_gb(mem.total_bytes)} GB per GPU on {c.name} (params {_gb(mem.param_bytes)}, grads "
-                f"{_gb(mem.grad_bytes)}, optimizer {_gb(mem.optimizer_bytes)}, activations "
-                f"{_gb(mem.activation_bytes)}, buffers+overhead {_gb(mem.buffer_bytes + mem.overhead_bytes)})")
-    _, source, assumed = host_budget(c)
-    source += f" (assumed {_gb(mem.host_limit)} GB)" if assumed else ""
-    fix = "cluster.node_mem_gb to the node's memory" if c.mem_gb == 0 else "cluster.mem_gb to the memory of a node"
-    return (f"{source}: {cfg.model.name} with strategy {s.name} offloads {_gb(mem.host_per_node)} GB "
-            f"per node to host memory on {c.name} (set {fix} if it has more)")
 
 
 def plan_point(composer: PointComposer, overrides: List[str], opts: Dict[str, object]):

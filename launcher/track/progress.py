@@ -10,10 +10,12 @@ import time
 from pathlib import Path
 
 from launcher.track.status import Sweep, collect, console
+from slurm.states import Outcome
 
 
 def describe(sweep: Sweep) -> str:
-    tally = {k: sum(p.outcome == k for p in sweep.points) for k in ("pending", "running", "completed", "failed")}
+    tally = {k: sum(p.outcome is k for p in sweep.points)
+             for k in (Outcome.PENDING, Outcome.RUNNING, Outcome.COMPLETED, Outcome.FAILED)}
     text = ", ".join(f"{n} {k}" for k, n in tally.items() if n)
     return text + (f" (Slurm: {sweep.slurm_error[:60]})" if sweep.slurm_error else "")
 

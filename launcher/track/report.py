@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from launcher.track.progress import wait_until_finished
 from launcher.track.scaling import efficiency, point_metrics, scaling_kind, series_labels, slurm_time
 from launcher.track.status import Point, Sweep, UsageError, collect, console, resolve_sweep_dir
+from slurm.states import Outcome
 
 COLUMNS = ("point", "series", "strategy", "nodes", "gpus", "outcome", "state", "failure_class", "failure_detail",
            "global_batch", "tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "efficiency", "scaling",
@@ -57,8 +58,8 @@ def report_rows(sweep: Sweep) -> List[Dict[str, Any]]:
         peak = m.get("peak_mem_bytes")
         rows.append({
             "point": p.point, "series": label, "strategy": p.strategy, "nodes": p.nodes, "gpus": gpus,
-            "outcome": p.outcome, "state": p.state, "failure_class": p.failure,
-            "failure_detail": p.detail if p.outcome in ("failed", "skipped") else "",
+            "outcome": p.outcome.value, "state": p.state, "failure_class": p.failure,
+            "failure_detail": p.detail if p.outcome in (Outcome.FAILED, Outcome.SKIPPED) else "",
             "global_batch": m.get("global_batch_size"), "peak_lr": m.get("lr"), "val_loss": m.get("val_loss"),
             "tokens_per_s": tps, "samples_per_s": m.get("samples_per_s"),
             "tokens_per_s_per_gpu": tps / gpus if tps and gpus else None, "efficiency": None, "scaling": "",
@@ -68,7 +69,7 @@ def report_rows(sweep: Sweep) -> List[Dict[str, Any]]:
             "job_id": p.job_id, "run_dir": str(p.run_dir or ""),
         })
     for label in sorted(set(labels)):
-        members = [r for r in rows if r["series"] == label and r["outcome"] == "completed" and r["gpus"]
+        members = [r for r in rows if r["series"] == label and r["outcome"] == Outcome.COMPLETED and r["gpus"]
                    and (r["samples_per_s"] or r["tokens_per_s"])]
         if not members:
             continue
@@ -141,7 +142,7 @@ def write_markdown(rows: List[Dict[str, Any]], sweep: Sweep, path: Path) -> None
                                                 else "no completed point, no efficiency"))
     lines += ["", "| " + " | ".join(h for h, *_ in SHOWN) + " |", "|" + "---|" * len(SHOWN)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |" for r in rows]
-    failed = [r for r in rows if r["outcome"] in ("failed", "skipped")]
+    failed = [r for r in rows if r["outcome"] in (Outcome.FAILED, Outcome.SKIPPED)]
     if failed:
         lines += ["", "## Failed and skipped points", ""]
         lines += [f"- point {r['point']} (job {r['job_id'] or '-'}, {r['state']}): "
@@ -235,8 +236,8 @@ def wait_sweep(sweep_dir: Path, poll_s: float = 2.0) -> int:
         print(f"stopped waiting; the jobs go on: python -m launcher.status {sweep_dir}", file=sys.stderr)
         return 130
     publish(sweep, out)
-    ran = [p for p in sweep.points if p.outcome != "skipped"]
-    return 0 if ran and all(p.outcome == "completed" for p in ran) else 1
+    ran = [p for p in sweep.points if p.outcome is not Outcome.SKIPPED]
+    return 0 if ran and all(p.outcome is Outcome.COMPLETED for p in ran) else 1
 
 
 def main(argv: Optional[List[str]] = None) -> int:

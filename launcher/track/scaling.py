@@ -10,6 +10,7 @@ import re
 from datetime import datetime
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from slurm.states import FAILURE_OF_STATE, job_state
 from spec.rundir import Status, status_of, steady
 
 # Overrides that change only the size of a point: points differing in these alone form
@@ -19,9 +20,6 @@ WORLD_KEYS = ("cluster.nodes", "cluster.gpus_per_node")
 _IGNORED = ("launcher.", "hydra.", "hydra/")
 
 FAILURE_CLASSES = ("out of memory", "time limit", "preempted", "node failure", "communication timeout", "other")
-# sacct's final state is the most direct evidence; logs decide for plain FAILED/CANCELLED.
-_STATE_CLASS = {"OUT_OF_MEMORY": "out of memory", "TIMEOUT": "time limit", "DEADLINE": "time limit",
-                "PREEMPTED": "preempted", "NODE_FAIL": "node failure", "BOOT_FAIL": "node failure"}
 # Checked in this order: an OOM often ends in a communication error on the other ranks,
 # so the cause (memory) must win over the symptom (a peer that stopped answering).
 _LOG_PATTERNS = (
@@ -146,9 +144,9 @@ def classify(state: str, exit_code: str = "", text: str = "", info: Optional[Dic
     """(class, detail) of a failed point from sacct's state and exit code, run.json and
     the tail of its logs; class is one of FAILURE_CLASSES."""
     info = info or {}
-    word = (state or "").split()[0] if state else ""
-    if word in _STATE_CLASS:
-        return _STATE_CLASS[word], f"sacct state {word}"
+    word = job_state(state)
+    if word in FAILURE_OF_STATE:  # sacct's final state is the most direct evidence
+        return FAILURE_OF_STATE[word], f"sacct state {word}"
     # A run stopped by the requeue cap says after which kind of interruption.
     stop = f"{info.get('stop_reason', '')} {info.get('last_interruption', '')}"
     if status_of(info) is Status.STOPPED and "timeout" in stop:

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 from launcher.track import registry
 from launcher.track.summary import summary_lines
 from slurm import query
-from slurm.states import is_job_id
+from slurm.states import ended, failed, is_job_id
 from spec.rundir import LOGS, RUN_JSON, read_run_json, status_of
 
 # submitit's per-task logs: JOB_RANK_log.out, or ARRAY_TASK_RANK_log.out for an array element.
@@ -50,8 +50,7 @@ def job_lines(info: Dict) -> List[str]:
 
 
 def failure_line(info: Dict) -> List[str]:
-    status = status_of(info)
-    if status is None or status.value != "failed":
+    if not failed(status_of(info)):
         return []
     kind = info.get("failure") or ("exit status" if "exited with status" in str(info.get("error", "")) else "other")
     extra = f"; suspect nodes {', '.join(info['suspect_nodes'])}" if info.get("suspect_nodes") else ""
@@ -135,6 +134,6 @@ def logs_main(run_dir: Path, rank: Optional[int], follow: bool, poll_s: float = 
                     sys.stdout.write(data.decode(errors="replace"))
                     grew = True
         sys.stdout.flush()
-        if not grew and status is not None and status.ended:
+        if not grew and ended(status):
             break
     return 0

@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Optional
 from launcher.track import registry, single
 from launcher.track.scaling import classify, point_metrics, slurm_time, stitch, varying_overrides
 from slurm import query
-from slurm.states import ACTIVE, PENDING, is_job_id
-from spec.rundir import Status, read_metrics, read_run_json, status_of
+from slurm.states import Outcome, decide, is_job_id, job_state
+from spec.rundir import read_metrics, read_run_json
 
 # sbatch returns before the registry line is written, so a job's Submit precedes it by
 # the submission latency; the slack on the other side absorbs login/controller clock skew.
@@ -51,7 +51,7 @@ class Point:
     queue: Optional[Dict[str, str]] = None                     # squeue row, when queued
     acct: List[Dict[str, str]] = field(default_factory=list)  # our sacct rows, one per segment
     reused: str = ""
-    outcome: str = "unknown"        # pending | running | completed | failed | skipped | unknown
+    outcome: Outcome = Outcome.UNKNOWN  # slurm.states.decide
     state: str = "?"
     failure: str = ""               # one of scaling.FAILURE_CLASSES for failed points
     detail: str = ""                # skip reason, failure evidence, or a note
@@ -64,7 +64,7 @@ class Point:
 
     @property
     def finished(self) -> bool:
-        return self.outcome in ("completed", "failed", "skipped")
+        return self.outcome.finished
 
     @property
     def restarts(self) -> int:
@@ -160,34 +160,17 @@ def _log_tail(run_dir: Optional[Path], limit: int = 16384) -> str:
 
 
 def settle(p: Point, slurm_ok: bool) -> None:
-    """Decide outcome, displayed state and (for failures) the class."""
-    raw, status = str(p.run.get("status") or ""), status_of(p.run)
-    if p.event == "skipped":
-        p.outcome, p.state = "skipped", "SKIPPED"
-        return
-    if p.queue is not None:
-        p.state = p.queue["State"]
-        p.outcome = "pending" if p.state in PENDING else "running"
-        return
-    last = p.acct[-1]["State"].split()[0] if p.acct else ""
-    if last in ACTIVE:  # sacct lags the controller by a moment
-        p.state, p.outcome = last, "pending" if last in PENDING else "running"
-        return
-    if last:
-        p.state = last
-        p.outcome = "completed" if last == "COMPLETED" and status is Status.COMPLETED else "failed"
-    elif not is_job_id(p.job_id) or not slurm_ok or p.reused:
-        # A local run, Slurm unreachable, or no record of ours left: run.json decides.
-        p.state = raw.upper() or "UNKNOWN"
-        p.outcome = {Status.COMPLETED: "completed", Status.FAILED: "failed", Status.STOPPED: "failed",
-                     Status.INTERRUPTED: "failed"}.get(status, "failed" if p.reused else "unknown")
-    else:
-        p.state = raw.upper() or "UNKNOWN"
-        p.outcome = "completed" if status is Status.COMPLETED else "failed"
+    """Decide outcome and displayed state (:func:`slurm.states.decide`) and, for
+    failures, the class."""
+    last = p.acct[-1]["State"] if p.acct else None
+    decision = decide(p.run, skipped=p.event == "skipped", queued=p.queue["State"] if p.queue is not None else None,
+                      accounted=last, slurm_job=is_job_id(p.job_id), slurm_ok=slurm_ok, trust_slurm=not p.reused)
+    p.outcome, p.state = decision.outcome, decision.state
+    if decision.lost:
         p.detail = p.detail or f"job {p.job_id} is in neither squeue nor sacct"
-    if p.outcome == "failed":
+    if p.outcome is Outcome.FAILED:
         exit_code = p.acct[-1]["ExitCode"] if p.acct else ""
-        p.failure, evidence = classify(last, exit_code, _log_tail(p.run_dir), p.run)
+        p.failure, evidence = classify(job_state(last), exit_code, _log_tail(p.run_dir), p.run)
         p.detail = "; ".join(x for x in (p.reused, evidence) if x)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, NoReturn, Optional
 
 from slurm import query
+from slurm.states import final
 from spec.config import RunConfig
 from spec.device import DeviceError
 from spec.rundir import START_REFUSALS, Status, read_run_json, status_of, update_run_json
@@ -102,7 +103,7 @@ def refuse_start(exc: DeviceError, run_dir: Path, rank: int, world_size: int, lo
     with the line in its log (rank 0's also on stdout), not a traceback. A finished run
     (completed, stopped) started again stays as it was."""
     status = status_of(read_run_json(run_dir))
-    if status is not None and status.final:
+    if final(status):
         log.error("%s", exc)
     else:
         record_failure(exc, run_dir, rank, world_size, log, heartbeat_s=0)

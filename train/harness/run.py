@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from slurm.env import task_identity
+from slurm.states import final
 from spec.config import RunConfig, to_run_config
 from spec.device import DeviceError
 from spec.validate import WATCHDOG_GRACE_S, validate
@@ -147,7 +148,7 @@ def _claim(cfg: RunConfig, layout: Layout, ctx, run_dir: Path, log: logging.Logg
     info = [read_run_json(run_dir) if ctx.is_main else None]
     dist.broadcast_object_list(info, src=0)
     status = status_of(info[0])
-    if status is not None and status.final:
+    if final(status):
         log.info(f"run is {status}; nothing to do (resubmit with `python -m launcher.resume {run_dir}`)")
         return None
     if ctx.is_main:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from slurm.env import expand_hostlist, task_identity
+from slurm.states import final, requeued
 from spec.config import RunConfig, to_run_config
 from spec.device import DeviceError
 from spec.layout import build_layout
@@ -122,7 +123,7 @@ def _prepare(run_dir: Path) -> Optional[_Task]:
     log = rank_logger(run_dir, te.rank)
     info = read_run_json(run_dir)
     status = status_of(info)
-    if status is not None and status.final:
+    if final(status):
         log.info(f"run is {status}; nothing to do (resubmit with `python -m launcher.resume {run_dir}`)")
         return None
     _take_device(cfg, te, run_dir, log)
@@ -182,8 +183,7 @@ def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:
             after_interruption(cfg, run_dir, task.info, log, flag)
         if in_slurm_job():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            requeued = status_of(read_run_json(run_dir)) is Status.REQUEUED
-            if requeued or (te.rank != 0 and signum == signal.SIGUSR2):
+            if requeued(status_of(read_run_json(run_dir))) or (te.rank != 0 and signum == signal.SIGUSR2):
                 log.info("warning signal: the job is requeued; running on until Slurm ends this task")
                 return
         raise Preempted(signum)
