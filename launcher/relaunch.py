@@ -7,9 +7,9 @@ is reported, not retrained. Exit 2 on a bad run directory.
 Overrides after RUN_DIR (Hydra's ``key=value``, and ``strategy=NAME`` for a strategy
 profile) apply to the saved config: ``cluster.nodes=1``, ``cluster.gpus_per_node=4``,
 ``strategy=fsdp`` resume the checkpoint on another shape (README: "Resume on another
-shape"); ``launcher.wait=true`` waits as ``--wait`` does. What the checkpoint cannot continue is refused with one line (exit 2, nothing
-written or submitted): the model, the data stream (``data.*``, ``train.seq_len``), a
-switch between the torch engine and DeepSpeed, and a change to or from DeepSpeed's stage
+shape"); ``launcher.wait=true`` waits as ``--wait`` does. What the checkpoint cannot
+continue is refused with one line (exit 2, nothing written or submitted): the model,
+the data stream (``data.*``, ``train.seq_len``), a switch between the torch engine and DeepSpeed, and a change to or from DeepSpeed's stage
 0. The torch strategies reshape freely (data, tensor and pipeline degrees: DCP); ZeRO
 stages 1-3 convert into each other through DeepSpeed's universal checkpoint. When the
 data-parallel degree changes and neither
