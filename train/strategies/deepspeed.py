@@ -115,7 +115,9 @@ class DeepSpeedBuilder(EngineBuilder):
                                 message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`")
         # The process group exists already (train.harness.dist); this makes DeepSpeed use it
         # with the same backend. Without it DeepSpeed's CPU accelerator would ask for oneCCL.
-        link_path_without_spaces()  # its CPU op is built here, and would not link under a path with a space
+        if self.ctx.device.type == "cpu":
+            without_cpu_shm_op()
+        link_path_without_spaces()  # a JIT-built op would not link under a path with a space
         deepspeed.init_distributed(dist_backend=self.ctx.backend, verbose=False)
 
     def _partitioned_init(self) -> bool:
@@ -156,6 +158,19 @@ class DeepSpeedBuilder(EngineBuilder):
         with local_rank_names_device(self.ctx.device):
             ds, _, _, _ = deepspeed.initialize(model=parts[0], optimizer=optimizer, config=config)
         return DeepSpeedEngine(ds, self.ctx.device)
+
+
+def without_cpu_shm_op() -> None:
+    """DeepSpeed's CPU accelerator JIT-builds its shared-memory op (deepspeed_shm_comm) as it
+    joins the group, for ``inference_all_reduce`` alone: training on gloo never calls it. The
+    build costs a C++ compile in every fresh environment, and a build killed midway (a
+    preemption, the hang watchdog) leaves torch's file-baton ``lock`` in TORCH_EXTENSIONS_DIR,
+    on which every later DeepSpeed start there waits forever (seen: four jobs hung at start
+    behind one killed build). Marked incompatible, DeepSpeed skips it (``build_shm_op``
+    returns None); its ops module keeps the probed table, so the mark holds."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 @contextlib.contextmanager
