@@ -81,8 +81,9 @@ def reference(tmp_path_factory):
 
 def failed_at_7(tmp_path: Path, args: list) -> Path:
     run = tmp_path / "run"
-    proc = launcher(BASE + args + ["checkpoint.every_steps=4", "fault.raise_at_step=7", f"launcher.run_dir={run}"],
-                    cwd=tmp_path)
+    # periodic saves only (steps 4 and 8 kept), so the step-4 conversion a test asserts is not pruned
+    proc = launcher(BASE + args + ["checkpoint.every_steps=4", "checkpoint.save_final=false", "fault.raise_at_step=7",
+                                   f"launcher.run_dir={run}"], cwd=tmp_path)
     assert proc.returncode != 0 and read_run_json(run)["status"] == "failed", proc.stdout + proc.stderr
     return run
 
