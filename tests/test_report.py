@@ -199,6 +199,11 @@ def test_cancel_issues_one_scancel_for_the_queued_points_only(tmp_path, monkeypa
     assert fake.calls.count("scontrol") == 1
     assert cancel.main([str(sweep), "9"]) == 2
     assert capsys.readouterr().err.strip().startswith("error: ") and len(scancels) == 1
+    # one point's directory cancels that point alone, not its whole sweep
+    assert cancel.main([str(sweep / "2")]) == 0
+    assert scancels[-1] == ["202"] and "point 2: cancelled job 202" in capsys.readouterr().out
+    assert cancel.main([str(sweep / "2"), "3"]) == 2 and len(scancels) == 2
+    assert "point 2 of the sweep" in capsys.readouterr().err
 
 
 def test_user_errors_are_one_line_exit_2(tmp_path, capsys):

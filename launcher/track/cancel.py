@@ -1,5 +1,6 @@
 """``python -m launcher.cancel SWEEP_DIR [POINT...]``: cancel a sweep's jobs (all, or some points);
-``python -m launcher.cancel RUN_DIR``: a single run's job (:mod:`launcher.track.single`).
+``python -m launcher.cancel RUN_DIR``: a single run's job (:mod:`launcher.track.single`), or,
+given one point's directory of a sweep (``SWEEP_DIR/1``), that point's job alone.
 
 POINT is a point's directory name inside the sweep (Hydra's job number: 0, 1, ...).
 The jobs are found as ``launcher.status`` finds them (one squeue + one sacct call) and
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from launcher.track import registry
 from launcher.track.status import UsageError, collect, resolve_sweep_dir
 from slurm import query
 
@@ -31,6 +33,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{' '.join(args.points)}", file=sys.stderr)
             return 2
         return single.cancel_main(Path(args.sweep_dir))
+    path = Path(args.sweep_dir)
+    if not (path / registry.REGISTRY).is_file() and (path.parent / registry.REGISTRY).is_file():
+        if args.points:  # SWEEP_DIR/1 names its point: the rest would be points of the sweep
+            print(f"error: {path} is point {path.name} of the sweep {path.parent}; cancel it alone, or pass "
+                  f"{path.parent} {' '.join(args.points)}", file=sys.stderr)
+            return 2
+        args.points = [path.name]  # one point's directory: that point, not its whole sweep
     try:
         sweep = collect(resolve_sweep_dir(args.sweep_dir))
         known = {p.point: p for p in sweep.points}
