@@ -110,3 +110,13 @@ def test_no_submitit_wckey_in_the_real_submission(tmp_path):
 def _with(overrides):
     cfg = compose_run(overrides)
     return cfg, build_layout(cfg)
+
+
+def test_a_job_queued_before_its_entry_point_moved_still_finds_it():
+    """A job pickled with the old target (train.harness.job:main, before train/job.py) and
+    requeued after the checkout is updated runs the entry point where it is now."""
+    import train.job
+
+    old = pickle.loads(pickle.dumps(TaskCall("train.harness.job:main", ("run_dir",))))
+    assert old.function() is train.job.main
+    assert TaskCall(TASK).function() is train.job.main
