@@ -287,6 +287,14 @@ def dry_run(selected: List[Row], table: Table) -> int:
     return failed
 
 
+def select(every: List[Row], only: Optional[List[str]]) -> List[Row]:
+    """The rows ``--only`` names (names or prefixes), in table order; a resume row brings its
+    engine row, whose uninterrupted run it is compared with."""
+    wanted = {r.name for r in every if not only or any(r.name.startswith(p) for p in only)}
+    wanted |= {f"engine/{name.split('/')[1]}" for name in wanted if name.startswith("resume/")}
+    return [r for r in every if r.name in wanted]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT", str(REPO / "runs" / "gpu-check")))
@@ -296,7 +304,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--scratch", default=None, help="where runs go (default: a new temporary directory)")
     args = parser.parse_args(argv)
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="sto-gpu-check-"))
-    selected = [r for r in rows(scratch) if not args.only or any(r.name.startswith(p) for p in args.only)]
+    selected = select(rows(scratch), args.only)
     if not selected:
         print(f"--only {' '.join(args.only)}: no such row; rows: {', '.join(r.name for r in rows(scratch))}")
         return 2

@@ -51,3 +51,13 @@ def test_speed_row_reports_the_steady_steps(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert speed(Row("speed/x", [], exited_ok, run_dir=tmp_path)) == \
         "1,008 tokens/s, MFU 30.0%, step 0.500 s, peak 2.0 GiB (5 steps)"
+
+
+def test_a_resume_row_brings_the_engine_row_it_is_compared_with(tmp_path):
+    sys.path.insert(0, str(REPO))
+    from bench.gpu_check import rows, select
+
+    every = rows(tmp_path)
+    assert [r.name for r in select(every, ["resume/zero2"])] == ["engine/zero2", "resume/zero2"]
+    assert [r.name for r in select(every, ["binding"])] == ["binding/task", "binding/node"]
+    assert len(select(every, None)) == len(every)
