@@ -186,19 +186,7 @@ def check_overrides(args: List[str], multirun: bool) -> None:
             raise ConfigError(f"{text}: unknown config group {key!r}; groups are {', '.join(GROUPS)} (conf/), "
                               "or a directory of your own config directory (--config-dir DIR)")
         check_key(key)
-        for value in _values(o):
-            check_value(key.lstrip("+~"), value, o.get_value_element_as_str() if not o.is_sweep_override()
-                        else str(value))
-
-
-def _values(o: Any) -> List[Any]:
-    """The values an override gives its field: one, those of a choice sweep (``a,b``), or
-    none to check (a deletion, a range or interval sweep: numbers Hydra makes itself)."""
-    from hydra.core.override_parser.types import ChoiceSweep
-
-    if o.is_delete():
-        return []
-    if not o.is_sweep_override():
-        return [o.value()]
-    value = o.value()
-    return list(value.list) if isinstance(value, ChoiceSweep) else []
+        # A sweep's value of the wrong type is its point's to skip, with the reason, as every
+        # point that does not compose is (the sweep's contract: tests/test_sweep_arrays.py).
+        if not o.is_sweep_override() and not o.is_delete():
+            check_value(key.lstrip("+~"), o.value(), o.get_value_element_as_str())
