@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO, launcher, run_dir_of
+from conftest import launcher, run_dir_of
 
 
 @pytest.mark.parametrize("args,expect", [
@@ -140,28 +140,3 @@ def test_waiting_polls_slurm_less_often_as_the_wait_grows():
     from launcher.submit import poll_interval
 
     assert [poll_interval(t, 1.0, 30.0) for t in (0, 5, 20, 100, 3600)] == [1.0, 1.0, 2.0, 10.0, 30.0]
-
-
-def _readme_commands():
-    """The README's ``python -m launcher`` lines for the real GPU profiles (no local
-    cluster needed to dry-run them), comments dropped."""
-    text = (REPO / "README.md").read_text()
-    lines = [line.split("  #")[0].split() for line in text.splitlines() if line.startswith("python -m launcher +")]
-    return [words[3:] for words in lines if any(w in words for w in
-                                                ("+cluster=a100x8", "+cluster=h100x8", "+cluster=h200x8"))]
-
-
-@pytest.mark.parametrize("args", _readme_commands(), ids=" ".join)
-def test_the_readmes_gpu_commands_are_accepted(tmp_path, args):
-    """Each example the README shows for a GPU cluster passes every check (layout, memory
-    planner) as a dry run: an example the launcher refuses is a broken promise."""
-    assert args
-    dry = [a for a in args if not a.startswith("launcher.dry_run=")] + ["launcher.dry_run=true",
-                                                                         f"launcher.run_dir={tmp_path / 'run'}"]
-    proc = launcher(dry, cwd=REPO)  # from the checkout, as the README's paths (examples/...) are
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "dry run: nothing submitted" in proc.stdout
-
-
-def test_readme_commands_found():
-    assert len(_readme_commands()) >= 3
