@@ -1,9 +1,11 @@
 """Tier 1: every group combination composes and converts to the dataclass schema."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
+from conftest import REPO
 from helpers import compose_run as _compose
 from launcher.overrides import group_options
 from spec.config import ConfigError, ClusterConfig, ModelConfig, RunConfig, StrategyConfig
@@ -20,20 +22,45 @@ def test_required_groups_exist():
     assert "ddp" in STRATEGIES
 
 
-@pytest.mark.parametrize("cluster,model,strategy", list(itertools.product(CLUSTERS, MODELS, STRATEGIES)))
-def test_every_combination_composes(cluster, model, strategy):
-    cfg = _compose([f"+cluster={cluster}", f"+model={model}", f"+strategy={strategy}"])
-    assert isinstance(cfg, RunConfig) and isinstance(cfg.cluster, ClusterConfig)
-    assert isinstance(cfg.model, ModelConfig) and isinstance(cfg.strategy, StrategyConfig)
-    assert (cfg.cluster.name, cfg.model.name, cfg.strategy.name) == (cluster, model, strategy)
-    s = cfg.strategy
+@pytest.fixture(scope="module")
+def composed_models():
+    """Each model option composed once: a model file interpolates nothing of the other
+    groups (test_model_files_stand_alone), so its section is the same in every combination."""
+    return {m: _compose([f"+model={m}"]).model for m in MODELS}
+
+
+def test_model_files_stand_alone():
+    assert not [p.name for p in (REPO / "conf" / "model").glob("*.yaml") if "${" in p.read_text()]
+
+
+@pytest.mark.parametrize("cluster,strategy", list(itertools.product(CLUSTERS, STRATEGIES)))
+def test_every_combination_composes(cluster, strategy, composed_models):
+    """Every cluster x strategy through Hydra (a strategy may interpolate the cluster:
+    hsdp's dp_replicate is ${cluster.nodes}), with every model: the layout is built, or
+    refused naming the sizes where the strategy's fixed degrees exceed the world."""
+    base = _compose([f"+cluster={cluster}", f"+strategy={strategy}"])
+    assert isinstance(base, RunConfig) and isinstance(base.cluster, ClusterConfig)
+    assert isinstance(base.strategy, StrategyConfig)
+    assert (base.cluster.name, base.strategy.name) == (cluster, strategy)
+    s = base.strategy
     fixed = max(1, s.pipeline_parallel) * max(1, s.dp_replicate) * max(1, s.dp_shard) * max(1, s.tensor_parallel)
-    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    if fixed > world:  # e.g. pp_fsdp_tp (pp 2 x tp 2) on the 2 ranks of `local`: refused, naming the sizes
-        with pytest.raises(ConfigError, match=f"world {world}"):
-            build_layout(cfg)
-        return
-    build_layout(cfg)  # every other shipped combination is a valid layout
+    world = base.cluster.nodes * base.cluster.gpus_per_node
+    for name, model in composed_models.items():
+        cfg = dataclasses.replace(base, model=model)
+        assert isinstance(cfg.model, ModelConfig) and cfg.model.name == name
+        if fixed > world:  # e.g. pp_fsdp_tp (pp 2 x tp 2) on the 2 ranks of `local`: refused, naming the sizes
+            with pytest.raises(ConfigError, match=f"world {world}"):
+                build_layout(cfg)
+            continue
+        build_layout(cfg)  # every other shipped combination is a valid layout
+
+
+def test_one_whole_combination_composes_as_its_parts():
+    """The three groups given together compose to what the parts above assume."""
+    whole = _compose(["+cluster=a100x8", "+model=llama3_8b", "+strategy=hsdp"])
+    parts = dataclasses.replace(_compose(["+cluster=a100x8", "+strategy=hsdp"]),
+                                model=_compose(["+model=llama3_8b"]).model)
+    assert whole == parts
 
 
 def test_schema_defaults_are_local_tiny_ddp():
