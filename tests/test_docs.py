@@ -28,9 +28,10 @@ CORPUS = [f"Document {i}: " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
-    """A finished local sweep of two points (2 ranks, tiny model, 2 steps each)."""
+    """A finished local sweep of two points (one rank each, tiny model, 2 steps each)."""
     root = tmp_path_factory.mktemp("sweep")
-    proc = launcher(["train.steps=2", "train.seed=1,2", "-m", f"launcher.root={root / 'runs'}"], cwd=REPO)
+    proc = launcher(["train.steps=2", "cluster.gpus_per_node=1", "train.seed=1,2", "-m", f"launcher.root={root / 'runs'}"],
+                    cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run_dir_of(proc.stdout).parent
 
