@@ -34,7 +34,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         return single.cancel_main(Path(args.sweep_dir))
     path = Path(args.sweep_dir)
-    if not (path / registry.REGISTRY).is_file() and (path.parent / registry.REGISTRY).is_file():
+    if registry.is_point(path):
         if args.points:  # SWEEP_DIR/1 names its point: the rest would be points of the sweep
             print(f"error: {path} is point {path.name} of the sweep {path.parent}; cancel it alone, or pass "
                   f"{path.parent} {' '.join(args.points)}", file=sys.stderr)

@@ -26,6 +26,15 @@ def record(sweep_dir: Path, point: str, event: str, **fields: Any) -> None:
         f.flush()
 
 
+def is_sweep(path: Path) -> bool:
+    return (Path(path) / REGISTRY).is_file()
+
+
+def is_point(path: Path) -> bool:
+    """One point's directory of a sweep (``SWEEP_DIR/1``), not a sweep itself."""
+    return not is_sweep(path) and is_sweep(Path(path).parent)
+
+
 def read(sweep_dir: Path) -> List[Dict[str, Any]]:
     """Newest entry per point, in point order; each entry keeps its whole history in ``history``."""
     path = Path(sweep_dir) / REGISTRY

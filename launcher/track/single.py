@@ -25,8 +25,7 @@ _TASK_LOG = re.compile(r"^\d+(?:_\d+)?_(\d+)_log\.(out|err)$")
 
 
 def is_single_run(path: Path) -> bool:
-    return (path / RUN_JSON).is_file() and not (path.parent / registry.REGISTRY).is_file() \
-        and not (path / registry.REGISTRY).is_file()
+    return (path / RUN_JSON).is_file() and not registry.is_sweep(path.parent) and not registry.is_sweep(path)
 
 
 def slurm_conf_of(info: Dict) -> Optional[str]:

@@ -83,9 +83,9 @@ class Sweep:
 def resolve_sweep_dir(arg: Optional[str], root: str = "runs") -> Path:
     if arg:
         path = Path(arg)
-        if (path / registry.REGISTRY).is_file():
+        if registry.is_sweep(path):
             return path
-        if (path.parent / registry.REGISTRY).is_file():  # a point's directory: its sweep
+        if registry.is_point(path):  # a point's directory: its sweep
             return path.parent
         raise UsageError(f"{arg}: no sweep registry ({registry.REGISTRY}) there; pass a sweep directory "
                          f"such as {root}/multirun/<sweep>")

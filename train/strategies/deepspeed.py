@@ -113,11 +113,11 @@ class DeepSpeedBuilder(EngineBuilder):
         # 2.13 deprecates with a warning on every call: thousands of identical log lines.
         warnings.filterwarnings("ignore", category=FutureWarning,
                                 message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`")
-        # The process group exists already (train.harness.dist); this makes DeepSpeed use it
-        # with the same backend. Without it DeepSpeed's CPU accelerator would ask for oneCCL.
         if self.ctx.device.type == "cpu":
             without_cpu_shm_op()
         link_path_without_spaces()  # a JIT-built op would not link under a path with a space
+        # The process group exists already (train.harness.dist); this makes DeepSpeed use it
+        # with the same backend. Without it DeepSpeed's CPU accelerator would ask for oneCCL.
         deepspeed.init_distributed(dist_backend=self.ctx.backend, verbose=False)
 
     def _partitioned_init(self) -> bool:
