@@ -71,6 +71,15 @@ def submit_run(args: List[str], cwd: Path, env: dict) -> tuple:
     return job, run_dir_of(proc.stdout)
 
 
+def eligible_nodes(env: dict) -> list:
+    """The debug partition's nodes this run's jobs may use (those with SBATCH_CONSTRAINT's
+    feature when the suite confines the run to a pair)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %f"], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    feature = env.get("SBATCH_CONSTRAINT")
+    return sorted({n for n, f in (line.split() for line in out.splitlines()) if not feature or feature in f.split(",")})
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> dict:
     """The local Slurm cluster of slurm/cluster/up.sh; started here when `make test` has not.

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, submit_run, wait_until
+from conftest import REPO, eligible_nodes, submit_run, wait_until
 from spec.rundir import read_metrics, read_run_json
 from test_reshard import assert_every_sample_once
 
@@ -21,15 +21,6 @@ STEPS = 16
 ARGS = ["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=2", "+strategy=fsdp", f"train.steps={STEPS}",
         "train.seq_len=32", "data.num_tokens=50000", "fault.trace_samples=true", "fault.step_delay_s=0.4",
         "cluster.max_requeues=0"]
-
-
-def eligible_nodes(env: dict) -> list:
-    """The debug partition's nodes this run's jobs may use (those with SBATCH_CONSTRAINT's
-    feature when the suite confines the run to a pair)."""
-    out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %f"], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    feature = env.get("SBATCH_CONSTRAINT")
-    return sorted({n for n, f in (line.split() for line in out.splitlines()) if not feature or feature in f.split(",")})
 
 
 def job_gone(job: str, env: dict) -> bool:
