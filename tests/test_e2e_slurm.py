@@ -120,5 +120,6 @@ def test_hang_on_two_nodes_names_the_node(tmp_path, slurm_cluster):
     import json
 
     report = json.loads((run_dir / "hang.json").read_text())
-    assert report["stuck_ranks"] == [3] and report["stuck_hosts"] == ["node2"]
+    hosts = read_run_json(run_dir)["hostnames"]  # one per node, in rank order (node2 or node4: the suite's pair)
+    assert report["stuck_ranks"] == [3] and report["stuck_hosts"] == [hosts[1]], (report, hosts)
     assert read_run_json(run_dir)["failure"] == "hang"
