@@ -38,7 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import warm
+
 REPO = Path(__file__).resolve().parent.parent
+SHELL_SYNTAX = set("|&;<>()$`*?~\\")  # a line with any of these runs in bash
 FENCE = re.compile(r"```bash\n(.*?)```", re.S)
 SMALL = ["train.steps=2"]  # added to a real local run that does not set its steps
 NOT_OURS = ("tensorboard ", "wandb ")
@@ -198,13 +201,28 @@ class PageRun:
 
     # ---- subprocesses -------------------------------------------------------------
     def _shell(self, line: str, cwd: Path, fails: bool = False) -> subprocess.CompletedProcess:
+        """``line`` as bash runs it; a plain ``python -m MODULE ARGS`` (nothing for the
+        shell to expand, redirect or chain) forked from the warm server instead
+        (tests/warm.py: the same module run as ``-m`` runs it, without an interpreter's
+        start and torch's imports for the launcher and each local rank)."""
+        words = shlex.split(line)
+        if words[:2] == ["python", "-m"] and not any(c in line for c in SHELL_SYNTAX):
+            proc = warm.run_module(words[2], words[3:], cwd=cwd, env=self._env(), timeout=600)
+            return self._check(proc, fails=fails)
         return self._run(["bash", "-c", line], cwd=cwd, fails=fails)
+
+    def _env(self) -> dict:
+        return {**os.environ, "PYTHONPATH": str(REPO),
+                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
     def _run(self, argv: List[str], cwd: Path, expect: Optional[str] = None,
              fails: bool = False) -> subprocess.CompletedProcess:
-        env = {**os.environ, "PYTHONPATH": str(REPO),
-               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-        proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(argv, cwd=cwd, env=self._env(), capture_output=True, text=True, timeout=600)
+        return self._check(proc, expect=expect, fails=fails)
+
+    def _check(self, proc: subprocess.CompletedProcess, expect: Optional[str] = None,
+               fails: bool = False) -> subprocess.CompletedProcess:
+        argv = [str(a) for a in proc.args]
         self.log.append(" ".join(argv))
         assert (proc.returncode != 0) == fails, f"{' '.join(argv)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         if expect:

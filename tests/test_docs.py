@@ -9,16 +9,14 @@ points, made once, stands for SWEEP_DIR (and for RUN_DIR where the page made no 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, launcher, run_dir_of
+import warm
+from conftest import REPO, run_dir_of
 from docpages import PageRun, commands, makefile_targets
 
 PAGES = ["README.md"] + sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")
@@ -30,8 +28,8 @@ CORPUS = [f"Document {i}: " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(
 def sweep(tmp_path_factory) -> Path:
     """A finished local sweep of two points (one rank each, tiny model, 2 steps each)."""
     root = tmp_path_factory.mktemp("sweep")
-    proc = launcher(["train.steps=2", "cluster.gpus_per_node=1", "train.seed=1,2", "-m", f"launcher.root={root / 'runs'}"],
-                    cwd=REPO)
+    proc = warm.launcher(["train.steps=2", "cluster.gpus_per_node=1", "train.seed=1,2", "-m",
+                          f"launcher.root={root / 'runs'}"], cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run_dir_of(proc.stdout).parent
 
@@ -72,9 +70,8 @@ def hf_dir(work) -> Path:
                                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     tok = work["root"] / "tok"
-    proc = subprocess.run([sys.executable, "-m", "train.data.prepare", str(work["root"] / "corpus"),
-                           "--train-tokenizer", "300", "--out", str(tok), "--no-progress"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = warm.run_module("train.data.prepare", [str(work["root"] / "corpus"), "--train-tokenizer", "300",
+                                                  "--out", str(tok), "--no-progress"], cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr
     shutil.copy(tok / "tokenizer.json", path / "tokenizer.json")
     return path
