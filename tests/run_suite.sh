@@ -18,12 +18,16 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
+began=$(date +%s)
+since=$(date +%Y-%m-%dT%H:%M:%S)  # for the closing line's sum of the Slurm jobs' CPU
+# timed NAME CMD...: runs CMD, then writes its wall seconds to $logs/NAME.wall
+timed() { local name=$1 t0; shift; t0=$(date +%s); "$@"; local rc=$?; echo $(( $(date +%s) - t0 )) >"$logs/$name.wall"; return $rc; }
 
-"$PY" -m pytest -m "not slurm" "$@" >"$logs/other.log" 2>&1 &
+timed other "$PY" -m pytest -m "not slurm" "$@" >"$logs/other.log" 2>&1 &
 other=$!
-SBATCH_CONSTRAINT=pair2 "$PY" -m pytest -m "slurm and not slurm_whole" --shard=2/2 "$@" >"$logs/pair2.log" 2>&1 &
+SBATCH_CONSTRAINT=pair2 timed pair2 "$PY" -m pytest -m "slurm and not slurm_whole" --shard=2/2 "$@" >"$logs/pair2.log" 2>&1 &
 pair2=$!
-SBATCH_CONSTRAINT=pair1 "$PY" -m pytest -m "slurm and not slurm_whole" --shard=1/2 "$@" 2>&1 | tee "$logs/pair1.log"
+SBATCH_CONSTRAINT=pair1 timed pair1 "$PY" -m pytest -m "slurm and not slurm_whole" --shard=1/2 "$@" 2>&1 | tee "$logs/pair1.log"
 pair1_rc=${PIPESTATUS[0]}
 wait "$pair2"
 pair2_rc=$?
@@ -32,7 +36,7 @@ echo "==== slurm tests on node pair 2 (ran beside the ones above) ===="
 cat "$logs/pair2.log"
 echo
 echo "==== slurm tests that need the whole cluster ===="
-"$PY" -m pytest -m "slurm_whole" "$@" 2>&1 | tee "$logs/whole.log"
+timed whole "$PY" -m pytest -m "slurm_whole" "$@" 2>&1 | tee "$logs/whole.log"
 whole_rc=${PIPESTATUS[0]}
 wait "$other"
 other_rc=$?
@@ -48,6 +52,18 @@ passed=$(sum passed); failed=$(( $(sum failed) + $(sum "errors?") )); skipped=$(
 echo
 echo "slurm on pair1: exit $pair1_rc; on pair2: exit $pair2_rc; whole cluster: exit $whole_rc; other part: exit $other_rc"
 echo "suite: $passed passed, $failed failed, $skipped skipped"
+wall() { cat "$logs/$1.wall" 2>/dev/null || echo "?"; }
+echo "wall: $(( $(date +%s) - began )) s in all; other part $(wall other) s, pair1 $(wall pair1) s, pair2 $(wall pair2) s, whole cluster $(wall whole) s"
+# What the Slurm jobs cost (their CPU is not the pytest processes'): a budget to watch.
+eval "$(bash slurm/cluster/env.sh 2>/dev/null)"; sacct -a -n -P -S "$since" -o JobID,TotalCPU 2>/dev/null | "$PY" -c '
+import sys
+def s(t):  # [D-]HH:MM:SS[.mmm] or MM:SS.mmm
+    d, _, t = t.rpartition("-")
+    parts = [float(p) for p in t.split(":")]
+    return int(d or 0) * 86400 + sum(p * 60 ** i for i, p in enumerate(reversed(parts)))
+rows = [line.strip().split("|") for line in sys.stdin if "|" in line]
+times = [s(cpu) for job, cpu in rows if "." not in job]  # the job line sums its steps
+print(f"slurm jobs: {len(times)}, their CPU {sum(times) / 60:.1f} min")' || true
 status=0
 for rc in $pair1_rc $pair2_rc $whole_rc $other_rc; do
   # 5: no test collected, an error unless a filter (-k, a path) was given and others ran
