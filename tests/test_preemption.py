@@ -16,7 +16,9 @@ from conftest import launcher, run_dir_of, submit_run, wait_until
 from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-ARGS = ["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=2", "train.steps=24",
+# 2 nodes x 1 rank: preemption and requeue act on the job and its nodes, not on a node's
+# ranks (2 x 2 layouts: tests/test_e2e_slurm.py, test_reshard_slurm.py); half the CPU.
+ARGS = ["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=1", "train.steps=24",
         "train.seq_len=32", "data.num_tokens=50000"]
 
 
@@ -50,7 +52,7 @@ def job_gone(job: str, env: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, slurm_cluster):
-    """The uninterrupted curve, on the same 2 x 2 layout."""
+    """The uninterrupted curve, on the same 2 x 1 layout."""
     work = tmp_path_factory.mktemp("reference")
     proc = launcher(ARGS + ["launcher.wait=true"], cwd=work, env=slurm_cluster, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
