@@ -130,7 +130,8 @@ def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
         gpu, extra, srun_gpu = sbatch.gpu_binding(c.gpu_binding, c.gpus_per_node, c.nodes)
     params = _job_parameters(cfg, cfg.launcher.job_name or default_job_name(cfg), c.nodes, c.gpus_per_node,
                              c.task_cpus(), srun_gpu)
-    params.update(gpu, teardown=submitit_adapter.requeue_if_signalled(c.max_requeues))
+    params.update(gpu, setup=params["setup"] + submitit_adapter.in_job_restart_loop(c.in_job_restarts),
+                  teardown=submitit_adapter.requeue_if_signalled(c.max_requeues))
     params["additional_parameters"] = {"requeue": True, **extra, **params["additional_parameters"]}
     return params
 

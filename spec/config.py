@@ -200,13 +200,19 @@ class FaultConfig:
     # written, before the commit); 0 = off.
     kill_in_save_at_step: int = 0
     # This rank sleeps hang_s seconds at step hang_at_step, just before the step's
-    # collective, so the others wait inside it: a hang. -1 / 0 = off.
+    # collective, so the others wait inside it: a hang (once per run: see repeat). -1 / 0 = off.
     hang_rank: int = -1
     hang_at_step: int = 0
     hang_s: float = 3600.0
-    # Every rank raises RuntimeError at this step (after its backward, before the step's
-    # collective), as a bug or an out-of-memory error would: a failing run; 0 = off.
+    # Rank raise_rank (-1: every rank) raises RuntimeError at this step (after its
+    # backward, before the step's collective), as a bug or an out-of-memory error would: a
+    # failing run; 0 = off.
     raise_at_step: int = 0
+    raise_rank: int = -1
+    # raise_at_step, hang_at_step and kill_in_save_at_step fire once per run: the first
+    # time a start of the run reaches their step (recorded in RUN_DIR/faults/), so a
+    # restarted, requeued or resumed segment passes it. true: every time (a crash loop).
+    repeat: bool = False
     # The checkpoint thread of an async save sleeps this long before its snapshot and
     # again before its write, so the training thread runs ahead of it (tests: what is
     # saved must still be the state of the step saved).

@@ -68,6 +68,19 @@ def preload() -> None:
 
     for info in pkgutil.iter_modules(train.strategies.__path__):  # every engine, DeepSpeed's included
         importlib.import_module(f"train.strategies.{info.name}")
+    # deepspeed.initialize imports its Muon optimizer (to check the optimizer's type), whose
+    # @torch.compile decorators import torch's inductor: ~3 s of CPU in every DeepSpeed rank.
+    # Its import logs to stdout, this server's reply channel: fd 1 points at stderr meanwhile
+    # (DeepSpeed's handler keeps sys.stdout, so a forked rank's logs go where its fd 1 goes).
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def serve() -> None:
