@@ -74,14 +74,21 @@ def expand_hostlist(text: str) -> List[str]:
     return hosts
 
 
-def rendezvous_port(job_id: str, base: int = 29500, span: int = 10000) -> int:
-    """A port every task of a job derives alike, differing between concurrent jobs.
+# Set by the batch script's step loop for each srun it starts (0 first, then 1, 2, ... for
+# the restarts inside the job: slurm.submitit_adapter.in_job_restart_loop). Absent: no loop.
+IN_JOB_RESTART_ENV = "STO_IN_JOB_RESTART"
+
+
+def rendezvous_port(job_id: str, base: int = 29500, span: int = 10000, restart: int = 0) -> int:
+    """A port every task of a job derives alike, differing between concurrent jobs and
+    between the job's restarts inside its allocation (``restart``: a restarted step does
+    not meet a socket of the step before it, nor a peer still bound to it).
 
     Array jobs ("123_4") and het jobs ("123+1") hash the whole id.
     """
     digits = re.sub(r"\D", "", str(job_id))
     number = int(digits) if digits else 0
-    return base + number % span
+    return base + (number + 4099 * restart) % span
 
 
 def _int(env: Mapping[str, str], key: str, default: Optional[int] = None) -> int:
@@ -124,7 +131,7 @@ def task_identity(env: Mapping[str, str] | None = None) -> TaskIdentity:
     if "RANK" in env and "WORLD_SIZE" in env:
         return _torchrun_identity(env, restarts)
     if in_srun_task(env):
-        return _srun_identity(env, restarts)
+        return _srun_identity(env, restarts, in_job_restart(env))
     return TaskIdentity(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, master_addr="127.0.0.1",
                         master_port=0, job_id=slurm_job_id(env) or "single", restart_count=restarts, launcher="single")
 
@@ -140,9 +147,18 @@ def _torchrun_identity(env: Mapping[str, str], restarts: int) -> TaskIdentity:
                         restart_count=restarts, launcher="torchrun")
 
 
-def _srun_identity(env: Mapping[str, str], restarts: int) -> TaskIdentity:
+def in_job_restart(env: Mapping[str, str] | None = None) -> Optional[int]:
+    """Which start of the job's step loop this task belongs to (0: the first), None outside
+    such a loop (a job without one, torchrun, a local run)."""
+    env = os.environ if env is None else env
+    value = env.get(IN_JOB_RESTART_ENV, "")
+    return int(value) if value.isdigit() else None
+
+
+def _srun_identity(env: Mapping[str, str], restarts: int, restart: Optional[int]) -> TaskIdentity:
     """An srun task: every task derives the same master (the first host of the step's node
-    list) and port (from the raw SLURM_JOB_ID, which differs between array elements)."""
+    list) and port (from the raw SLURM_JOB_ID, which differs between array elements, and
+    the step loop's restart index)."""
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
         raise KeyError("SLURM_JOB_NODELIST is not set: not inside a Slurm job")
@@ -152,5 +168,7 @@ def _srun_identity(env: Mapping[str, str], restarts: int) -> TaskIdentity:
     return TaskIdentity(rank=_int(env, "SLURM_PROCID"), world_size=world, local_rank=_int(env, "SLURM_LOCALID"),
                         local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", max(1, world // max(1, num_nodes))),
                         node_rank=_int(env, "SLURM_NODEID"), master_addr=hosts[0],
-                        master_port=rendezvous_port(env.get("SLURM_JOB_ID") or slurm_job_id(env) or "0"),
-                        job_id=slurm_job_id(env) or "0", restart_count=restarts, launcher="srun")
+                        master_port=rendezvous_port(env.get("SLURM_JOB_ID") or slurm_job_id(env) or "0",
+                                                    restart=restart or 0),
+                        job_id=slurm_job_id(env) or "0", restart_count=restarts, launcher="srun",
+                        in_job_restart=restart)

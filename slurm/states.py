@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 from spec.rundir import Status, status_of
 
@@ -135,4 +135,39 @@ def after_local_exit(status: Optional[Status], exit_code: int) -> Optional[Statu
     handlers, a kill), else None (run.json already says it)."""
     if exit_code and status not in (Status.FAILED, Status.INTERRUPTED):
         return Status.FAILED
+    return None
+
+
+#: run.json ``failure`` classes a restart inside the job takes on (None: a rank's own
+#: error): not a blamed node (the requeue without it, train.harness.badnodes) nor a task
+#: that refused its device (the same refusal awaits every start).
+RESTARTABLE_FAILURES = frozenset({None, "communication", "rank_failure", "hang"})
+#: Errors of the code's or the data's start (an import, a path): every start fails alike.
+START_ERRORS = ("ImportError", "ModuleNotFoundError", "SyntaxError", "FileNotFoundError", "NotADirectoryError",
+                "IsADirectoryError", "PermissionError", "ConfigError", "DeviceError")
+
+
+def restart_refusal(entries: Sequence[Mapping[str, Any]], failure: Optional[str], error: str, step: int,
+                    job_id: str, budget: int, started: Optional[bool]) -> Optional[str]:
+    """Whether a failed segment of job ``job_id`` is started again inside the job: None
+    when it is, else why not (run.json ``in_job_restart``). ``entries``: run.json's
+    ``in_job_restarts`` (the restarts so far, every job's); ``failure`` and ``error``:
+    the failure recorded (class, ``Type: message``); ``step``: the step it failed in
+    (1-based); ``budget``: ``cluster.in_job_restarts``; ``started``: the run had done a
+    step when it failed (None: unknown, a user's code that reports no steps; the error
+    classes and the crash-loop guard still apply). Pure."""
+    if budget <= 0:
+        return "cluster.in_job_restarts=0"
+    if failure not in RESTARTABLE_FAILURES:
+        return f"failure {failure} is not restarted inside the job"
+    kind = error.split(":", 1)[0].strip()
+    if kind in START_ERRORS:
+        return f"{kind} is an error of the start: a restart would fail alike"
+    if started is False:
+        return "failed before the run's first step"
+    used = [e for e in entries if str(e.get("job_id")) == str(job_id)]
+    if len(used) >= budget:
+        return f"restart budget spent: cluster.in_job_restarts={budget}"
+    if used and used[-1].get("error") == error and used[-1].get("step") == step:
+        return f"crash loop: the same error at step {step} as before the last restart"
     return None

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+from spec.rundir import RESTART
+
 
 # Targets that moved, as jobs queued before the move pickled them: a job requeued (or
 # started late) after the checkout is updated still finds its entry point.
@@ -71,6 +73,39 @@ def requeue_if_signalled(max_requeues: int) -> list[str]:
     return _REQUEUE_IF_SIGNALLED.format(max_requeues=int(max_requeues)).splitlines()
 
 
+# The step loop of restarts inside the job (cluster.in_job_restarts; the tasks' side:
+# train/harness/restart.py). The last setup lines define `srun` as a function, so the srun
+# line submitit writes after them (its last argument: the job's submitit folder,
+# RUN_DIR/slurm, or SWEEP/.arrays/UID/%a for an element of a job array) runs the step again
+# while the step that ended left RUN_DIR/RESTART (a task's request: its failure is one to
+# restart) and restarts are left. srun returns once every task of the step has ended, so
+# the old step's processes are gone when the next starts; STO_IN_JOB_RESTART numbers the
+# starts (slurm.env.in_job_restart: the rendezvous port follows it). The teardown sees the
+# last step's exit status.
+_IN_JOB_RESTART_LOOP = """srun() {{
+  local folder="${{@: -1}}" code i=0
+  local mark="${{folder//%a/$SLURM_ARRAY_TASK_ID}}/../{mark}"
+  while :; do
+    rm -f "$mark"
+    STO_IN_JOB_RESTART=$i command srun "$@"
+    code=$?
+    [ "$code" -ne 0 ] && [ -e "$mark" ] && [ "$i" -lt {restarts} ] || return "$code"
+    i=$((i + 1))
+    echo "the step failed (exit $code; $(cat "$mark")): restart $i of {restarts} inside job $SLURM_JOB_ID" >&2
+  done
+}}"""
+
+
+def in_job_restart_loop(restarts: int) -> list[str]:
+    """The batch script's last setup lines for ``cluster.in_job_restarts=restarts``: the
+    training step in a loop (none for 0: the step runs once)."""
+    if int(restarts) <= 0:
+        return []
+    return ["# restarts inside the job (cluster.in_job_restarts): the srun line below runs the step "
+            "again while it leaves RUN_DIR/RESTART",
+            *_IN_JOB_RESTART_LOOP.format(restarts=int(restarts), mark=RESTART).splitlines()]
+
+
 TASK_WRAPPER = Path(__file__).resolve().with_name("task_wrapper.sh")
 
 
@@ -114,11 +149,13 @@ def render(params: Dict[str, Any], folder: str | Path, python: Optional[str] = N
     return _make_sbatch_string(command=submitit_command(folder, python, wrapper), folder=folder, **params)
 
 
-def submit(call: TaskCall, folder: Path, params: Dict[str, Any], max_requeues: int):
-    """Submit one job through submitit's executor; the submitit Job (as soon as sbatch answers)."""
+def submit(call: TaskCall, folder: Path, params: Dict[str, Any], max_requeues: int, python: Optional[str] = None,
+           wrapper: Optional[str] = None):
+    """Submit one job through submitit's executor; the submitit Job (as soon as sbatch answers).
+    ``python``, ``wrapper``: as for :func:`task_python` (a run's frozen code: launcher/snapshot.py)."""
     import submitit
 
-    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues, python=task_python())
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_requeues, python=task_python(python, wrapper))
     executor.update_parameters(**params)
     return executor.submit(call)
 

@@ -65,6 +65,14 @@ class ClusterConfig:
     hang_timeout_s: int = 300
     # How many times a run may be requeued after preemption or time limit before it stops.
     max_requeues: int = 3
+    # Restarts inside the job: when the training step fails for a reason that is not a
+    # preemption, a time limit or a blamed node (a rank's exception, a hang, a rank that
+    # died), the batch script starts the ranks again in the same allocation from the last
+    # committed checkpoint, up to this many times per job: same job id, no requeue, no
+    # queue wait (train/harness/restart.py). Never for a failure before the run's first
+    # step (an import error, a bad path), nor twice for the same error at the same step
+    # (a crash loop). 0 = a failure ends the run. Slurm jobs only.
+    in_job_restarts: int = 3
     # Shell lines run in the batch script before srun (module loads, venv activation).
     setup: List[str] = field(default_factory=list)
     # Environment for every task (NCCL_*, etc.); values are shell-quoted in the script.

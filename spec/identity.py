@@ -10,8 +10,8 @@ Pure standard library, cheap to import.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, Optional
 
 if TYPE_CHECKING:  # not imported at run time: the preemption flag imports this before its handler exists
     from spec.layout import Layout
@@ -37,6 +37,9 @@ class TaskIdentity:
     job_id: str
     restart_count: int  # SLURM_RESTART_COUNT (0 outside Slurm)
     launcher: str  # "torchrun" | "srun" | "single": which variables it was read from
+    # The batch script's step loop: 0 for the job's first srun, k after k restarts inside
+    # the job (slurm.env.in_job_restart); None without such a loop (nothing restarts it).
+    in_job_restart: Optional[int] = field(default=None, kw_only=True)
 
     @property
     def is_main(self) -> bool:

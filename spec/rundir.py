@@ -31,6 +31,11 @@ REGISTRY = "registry.jsonl"  # SWEEP_DIR/registry.jsonl: a sweep's points (launc
 TENSORBOARD = "tensorboard"  # tracking.tensorboard: event files
 WANDB = "wandb"  # tracking.wandb: W&B's own files (offline runs to sync)
 SAVE_NOW = "SAVE_NOW"  # touch RUN_DIR/SAVE_NOW: a checkpoint at the next step boundary
+# Written by a task whose failure the job restarts inside its allocation (run.json's last
+# ``in_job_restarts`` entry, as JSON); the batch script removes it before each srun and
+# starts the ranks again when the step leaves it behind (train/harness/restart.py).
+RESTART = "RESTART"
+FAULTS = "faults"  # RUN_DIR/faults/NAME.json: an injected fault (fault.*) fired, and in which segment
 # run.json "failure" values whose suspect_nodes the next allocation avoids: the automatic
 # requeue (train/harness/badnodes.py) and launcher.resume (launcher/track/resume.py).
 EXCLUDING_FAILURES = {"node_failure": "node failure", "preflight_outlier": "preflight outlier",
@@ -45,8 +50,10 @@ TORCH_VERSION = "torch_version"
 START_REFUSALS = (NO_CUDA, GPU_BINDING, TORCH_VERSION)
 # run.json fields that describe the last segment's failure: cleared when a segment starts
 # (what was excluded for it stays in excluded_nodes / node_exclusions).
+# failed_rank / failed_node: the rank whose own error (not a peer's broken connection)
+# failed the segment, and its host; in_job_restart: whether the job restarted it, or why not.
 SEGMENT_FAILURE = {key: None for key in ("error", "failure", "suspect_nodes", "dead_ranks", "dead_hosts", "fault",
-                                         "slurmd_down")}
+                                         "slurmd_down", "failed_rank", "failed_node", "in_job_restart")}
 
 
 class Status(str, Enum):
@@ -59,6 +66,7 @@ class Status(str, Enum):
     INTERRUPTED = "interrupted"  # stopped by a signal without a requeue (SIGTERM, local run, failed requeue)
     COMPLETED = "completed"  # every step done: never retrained
     FAILED = "failed"  # an error, a hang, a dead node: `python -m launcher.resume` continues it
+    RESTARTING = "restarting"  # failed, and the job starts its ranks again in its allocation (cluster.in_job_restarts)
     STOPPED = "stopped"  # the requeue cap (cluster.max_requeues) ended it
 
     def __str__(self) -> str:
@@ -167,11 +175,20 @@ def update_run_json(run_dir: str | Path, /, unless: Optional[Callable[[Dict[str,
     update it from several processes, and a read-modify-write without the lock lost a
     field another process wrote in between (a hang's ``failure`` overwritten by a
     rank's own error a moment later)."""
+    return change_run_json(run_dir, lambda data: None if unless is not None and unless(data) else fields)
+
+
+def change_run_json(run_dir: str | Path, change: Callable[[Dict[str, Any]], Optional[Mapping[str, Any]]]
+                    ) -> Dict[str, Any]:
+    """Merge ``change(current content)`` into run.json under the lock of
+    :func:`update_run_json` (fields computed from what is there, e.g. an entry appended to
+    a list); None writes nothing. The new content."""
     path = Path(run_dir) / RUN_JSON
     with open(path.with_name(f".{RUN_JSON}.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         data = read_run_json(run_dir)
-        if unless is not None and unless(data):
+        fields = change(data)
+        if fields is None:
             return data
         data.update(fields)
         data["updated_at"] = time.time()

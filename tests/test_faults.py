@@ -1,8 +1,10 @@
 """The one seam for fault injection (train.harness.faults.Faults): what each ``fault.*``
-option injects, and that the per-start ones are keyed on the run's segment (how many
-times the run started before), not on SLURM_RESTART_COUNT. Pure: no process group."""
+option injects, that the per-start ones are keyed on the run's segment (how many
+times the run started before), not on SLURM_RESTART_COUNT, and that the step faults fire
+once per run. Pure: no process group."""
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,7 +56,42 @@ def test_segment_minus_one_fires_in_every_segment():
     assert [Faults(cfg, 0, segment).preflight_delay() for segment in range(4)] == [2.0] * 4
 
 
-def test_step_faults_fire_at_their_step_in_every_segment(monkeypatch):
+def test_step_faults_fire_once_per_run_in_the_segment_that_reaches_them(tmp_path, monkeypatch):
+    """fault.raise_at_step / hang_at_step / kill_in_save_at_step fire in the first segment
+    that reaches their step, on every rank they name (the second rank of that segment
+    finds the first one's record and fires too), and are recorded in RUN_DIR/faults/, so a
+    restarted segment passes the step; fault.repeat fires them every time."""
+    monkeypatch.setattr(faults_module.time, "sleep", lambda s: None)
+    kills = []
+    monkeypatch.setattr(faults_module.os, "kill", lambda pid, sig: kills.append(sig))
+    cfg = FaultConfig(raise_at_step=4, hang_rank=1, hang_at_step=2, kill_in_save_at_step=6)
+    for rank in (0, 1):  # segment 0: both ranks raise at step 4 (raise_rank -1: every rank)
+        with pytest.raises(RuntimeError, match="fault.raise_at_step=4: injected failure"):
+            Faults(cfg, rank, 0, tmp_path).at_step_end(3, Phases())
+    Faults(cfg, 0, 1, tmp_path).at_step_end(3, Phases())  # segment 1 passes step 4
+    hang = Phases()
+    Faults(cfg, 1, 1, tmp_path).at_step_end(1, hang)  # ...and is the first to reach step 2's hang
+    Faults(cfg, 1, 2, tmp_path).at_step_end(1, Phases())  # segment 2 passes it
+    Faults(cfg, 0, 2, tmp_path).save_written(6)
+    Faults(cfg, 0, 3, tmp_path).save_written(6)
+    assert hang.seen == [("fault: sleeping before the collective", 1)] and kills == [signal.SIGKILL]
+    assert {p.name: json.loads(p.read_text())["segment"] for p in (tmp_path / "faults").iterdir()} == {
+        "raise_at_step.json": 0, "hang_at_step.json": 1, "kill_in_save_at_step.json": 2}
+    repeat = FaultConfig(raise_at_step=4, repeat=True)
+    for segment in (0, 1):
+        with pytest.raises(RuntimeError, match="injected failure"):
+            Faults(repeat, 0, segment, tmp_path).at_step_end(3, Phases())
+
+
+def test_raise_rank_names_the_rank_that_raises(tmp_path):
+    cfg = FaultConfig(raise_at_step=2, raise_rank=1)
+    Faults(cfg, 0, 0, tmp_path).at_step_end(1, Phases())
+    with pytest.raises(RuntimeError, match="fault.raise_at_step=2"):
+        Faults(cfg, 1, 0, tmp_path).at_step_end(1, Phases())
+    assert json.loads((tmp_path / "faults" / "raise_at_step.json").read_text())["rank"] == 1
+
+
+def test_step_faults_without_a_run_directory_fire_at_their_step_in_every_segment(monkeypatch):
     slept = []
     monkeypatch.setattr(faults_module.time, "sleep", slept.append)
     for segment in (0, 1):
@@ -88,4 +125,4 @@ def test_a_task_hands_out_the_seam_of_its_rank_and_segment():
     cfg = RunConfig()
     cfg.fault.raise_at_step = 3
     task = Task(cfg, None, Path("."), SimpleNamespace(rank=2), 1, print, None, None)
-    assert task.faults == Faults(cfg.fault, rank=2, segment=1)
+    assert task.faults == Faults(cfg.fault, rank=2, segment=1, run_dir=Path("."))

@@ -141,19 +141,23 @@ def _slurm_words(text: str) -> typing.List[str]:
 
 
 def _run_script(script: str, tail: str = "") -> typing.Dict[str, typing.List[str]]:
-    """Run the rendered script with bash, `srun` shadowed by a function (nothing starts),
-    then ``tail``; also hand each ``#SBATCH`` line's rest to bash as arguments. Returns the
-    words bash saw: {"srun": [...], "#SBATCH --flag": [...], "tail": [...]}. Fails if anything
-    ran that should not have (a file appeared in the working directory)."""
+    """Run the rendered script with bash, `srun` stood in for by an executable that prints
+    its words (nothing starts; an executable, not a function: the script's step loop of
+    restarts inside the job calls `command srun`), then ``tail``; also hand each
+    ``#SBATCH`` line's rest to bash as arguments. Returns the words bash saw: {"srun":
+    [...], "#SBATCH --flag": [...], "tail": [...]}. Fails if anything ran that should not
+    have (a file appeared in the working directory)."""
     mark = f"printf '%s\\0' {_MARK}"
-    # `exit` shadowed too: the script's teardown ends with it, and the checks below must run.
-    lines = [f"srun() {{ {mark}srun \"$@\"; }}", "exit() { :; }", script]
+    # `exit` shadowed: the script's teardown ends with it, and the checks below must run.
+    lines = ["exit() { :; }", script]
     lines += [f"{mark}{line[len('#SBATCH '):].split('=')[0]} {line[len('#SBATCH '):]}"
               for line in script.splitlines() if line.startswith("#SBATCH ")]
     lines.append(f"{mark}tail {tail}")
-    with tempfile.TemporaryDirectory() as cwd:
+    with tempfile.TemporaryDirectory() as cwd, tempfile.TemporaryDirectory() as bin_dir:
+        (Path(bin_dir) / "srun").write_text(f"#!/bin/bash\n{mark}srun \"$@\"\n")
+        (Path(bin_dir) / "srun").chmod(0o700)
         proc = subprocess.run(["bash", "-c", "\n".join(lines)], cwd=cwd, capture_output=True,
-                              env={"PATH": "/usr/bin:/bin"})
+                              env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
         assert proc.returncode == 0 and not proc.stderr, proc.stderr.decode(errors="replace")
         assert not list(Path(cwd).iterdir()), "the script ran something it should only have quoted"
     records = proc.stdout.decode().split(_MARK)[1:]

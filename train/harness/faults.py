@@ -13,18 +13,28 @@ task starts; :attr:`train.harness.run.Task.segment`). A requeue is a new segment
 restart inside the job or a ``launcher.resume`` (a new job, whose SLURM_RESTART_COUNT
 starts at 0 again), so such a fault does not fire again there.
 
+The step faults (``fault.raise_at_step``, ``hang_at_step``, ``kill_in_save_at_step``)
+fire once per run: the segment that first reaches the step fires them (on every rank
+they name) and records it in ``RUN_DIR/faults/NAME.json``; a later segment (a restart
+inside the job, a requeue, a resume) passes the step. ``fault.repeat=true`` fires them
+every time (a crash loop). A seam without a run directory fires them every time.
+
 :meth:`Faults.at_step_end` is called by a workload at the end of every step, before the
 ranks' step collective: a raised error there is a failing run, a sleeping rank a hang that
 the watchdog must name.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
 
 from spec.config import FaultConfig
+from spec.rundir import FAULTS
 from train.harness.watchdog import Watchdog
 
 
@@ -35,10 +45,28 @@ class Faults:
     cfg: FaultConfig = field(default_factory=FaultConfig)
     rank: int = 0
     segment: int = 0  # how many times the run started before this one
+    run_dir: Optional[Path] = None  # where step faults record that they fired (None: no record)
 
     def in_this_segment(self, segment: int) -> bool:
         """Whether a fault meant for the run's segment ``segment`` (-1: every one) fires here."""
         return segment in (-1, self.segment)
+
+    def once(self, name: str, step: int) -> bool:
+        """Whether the step fault ``name`` fires in this segment: not when an earlier segment
+        fired it (unless ``fault.repeat``); when it fires, it is recorded first (a kill or
+        a hang follows)."""
+        if self.run_dir is None or self.cfg.repeat:
+            return True
+        path = Path(self.run_dir) / FAULTS / f"{name}.json"
+        try:
+            return json.loads(path.read_text()).get("segment") == self.segment
+        except (OSError, ValueError):
+            pass
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"segment": self.segment, "rank": self.rank, "step": step, "time": time.time()}))
+        os.replace(tmp, path)
+        return True
 
     def preflight_delay(self) -> float:
         """Seconds this rank adds to its timed preflight matmuls (``fault.preflight_slow_*``)."""
@@ -48,13 +76,14 @@ class Faults:
     def at_step_end(self, step: int, watchdog: Watchdog) -> None:
         """``step``: the index of the step that just ran (0-based); the config counts from 1."""
         fault = self.cfg
-        if step + 1 == fault.raise_at_step:
+        if step + 1 == fault.raise_at_step and fault.raise_rank in (-1, self.rank) and \
+                self.once("raise_at_step", step + 1):
             raise RuntimeError(f"fault.raise_at_step={step + 1}: injected failure")
         if self.rank == fault.hardware_fault_rank and step + 1 == fault.hardware_fault_at_step and \
                 self.in_this_segment(fault.hardware_fault_restart):
             raise RuntimeError(f"CUDA error: uncorrectable ECC error encountered (fault.hardware_fault_at_step="
                                f"{step + 1}: injected)")
-        if self.rank == fault.hang_rank and step + 1 == fault.hang_at_step:
+        if self.rank == fault.hang_rank and step + 1 == fault.hang_at_step and self.once("hang_at_step", step + 1):
             watchdog.phase("fault: sleeping before the collective", step)
             time.sleep(fault.hang_s)
 
@@ -67,7 +96,8 @@ class Faults:
         """A blocking save of checkpoint ``step`` has every rank's files written and nothing
         committed: ``fault.kill_in_save_at_step`` dies here at once, as a node lost in the
         middle of a save would (SIGKILL, no clean-up)."""
-        if self.cfg.kill_in_save_at_step and step == self.cfg.kill_in_save_at_step:
+        if self.cfg.kill_in_save_at_step and step == self.cfg.kill_in_save_at_step and \
+                self.once("kill_in_save_at_step", step):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def checkpoint_thread(self) -> None:

@@ -1,9 +1,11 @@
 """What a task's end means for the run: run.json status, failure class, requeue.
 
 Called by :func:`train.harness.run.run_task` for any workload: a raised error is
-``failed`` (with the dead ranks and nodes after a communication error, or this node's
-hardware fault named in the error or the task's stderr), and the job is requeued without
-the blamed nodes while requeues are left (:mod:`train.harness.badnodes`); "completed" is
+``failed`` (this rank's own error with its rank and node; after a communication error,
+the dead ranks and nodes; or this node's hardware fault named in the error or the task's
+stderr); the job then starts its ranks again inside the allocation while restarts are
+left (:mod:`train.harness.restart`), or is requeued without the blamed nodes while
+requeues are left (:mod:`train.harness.badnodes`); "completed" is
 ``completed``, "interrupted" (a checkpoint committed after a signal) is counted as a
 preemption or a timeout and requeued unless the cap is reached. A task that cannot take
 its device (:mod:`spec.device`: no usable CUDA, GPUs shown otherwise than the binding
@@ -27,6 +29,7 @@ from train.harness import preempt
 from train.harness.preempt import PreemptionFlag
 from train.harness import health
 from train.harness.badnodes import ELSEWHERE, REQUEUED, requeue_without_suspects
+from train.harness.restart import Restart
 from train.harness.watchdog import classify_failure
 
 # This task's stderr and its size when the harness started: faults are looked for in this
@@ -48,19 +51,31 @@ def is_comm_error(exc: BaseException) -> bool:
 
 # Which recorded failure stands when several ranks record one: a more specific cause is
 # not replaced by a rank's echo of it (its peers' communication errors).
-FAILURE_RANK = {None: 0, "communication": 1, "rank_failure": 2, "node_failure": 3, "hardware_fault": 3,
-                "preflight_outlier": 4, "hang": 5, **{refusal: 6 for refusal in START_REFUSALS}}
+# "error": a rank's own error (run.json failed_rank; failure stays null): it outranks its
+# peers' guesses from their broken connections and heartbeats (a rank that raised and
+# exited looks like a dead node when it was its node's only rank); an own error that
+# names its node's hardware outranks it in turn.
+FAILURE_RANK = {None: 0, "communication": 1, "rank_failure": 2, "node_failure": 3, "error": 3.2,
+                "hardware_fault": 3.5, "preflight_outlier": 4, "hang": 5, **{refusal: 6 for refusal in START_REFUSALS}}
 
 
 def outranks(current: Any, new: Any) -> bool:
-    """Does the recorded ``current`` failure class stand against ``new``? Pure."""
-    return FAILURE_RANK.get(current, 3) > FAILURE_RANK.get(new, 3)
+    """Does the recorded ``current`` failure class stand against ``new``? The first rank's
+    own error stands against another's. Pure."""
+    return FAILURE_RANK.get(current, 3) > FAILURE_RANK.get(new, 3) or current == new == "error"
+
+
+def failure_class(info: Dict[str, Any]) -> Any:
+    """run.json's (or a record's) failure class for :func:`outranks`: ``failure``, else
+    "error" for a rank's own error."""
+    return info.get("failure") or ("error" if info.get("failed_rank") is not None else None)
 
 
 def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int, log: logging.Logger,
-                   heartbeat_s: float = 1.0) -> None:
+                   heartbeat_s: float = 1.0, restart: Optional[Restart] = None) -> None:
     """The workload raised ``exc`` on this rank: say so in run.json (the caller re-raises),
-    then requeue the job without the nodes the failure blames, or end it
+    then have the job restart its ranks (``restart``: :mod:`train.harness.restart`), or
+    requeue it without the nodes the failure blames, or end it
     (:mod:`train.harness.badnodes`). ``heartbeat_s``: the ranks' heartbeat interval
     (0: none, no classification)."""
     import traceback
@@ -73,25 +88,30 @@ def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int
         fields["failure"] = exc.failure
     else:
         log.error("training failed: %s\n%s", exc, traceback.format_exc())
-        if is_comm_error(exc):  # a peer died or the network broke: find out which
+        if not is_comm_error(exc):  # this rank's own error: the cause, not an echo of a peer's
+            fields.update(failed_rank=rank, failed_node=socket.gethostname())
+        elif read_run_json(run_dir).get("failed_rank") is None:  # a peer died or the network broke: which?
             fields.update(classify_failure(run_dir, world_size, heartbeat_s))
             fields.update(slurmd_down(fields) if job else {})
             log.error("failure classified: %s", fields)
         fields.update(hardware_fields(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", run_dir, fields))
-    if rank == 0 or "failure" in fields:  # rank 0 may be the one that died
+    if rank == 0 or failure_class(fields) is not None:  # rank 0 may be the one that died
         # A hang or a node's fault already recorded is the cause: a rank's error after it
         # (its peers' broken connections) must not replace it, nor undo a requeue for it.
-        update_run_json(run_dir, unless=lambda info: outranks(info.get("failure"), fields.get("failure")) or (
+        update_run_json(run_dir, unless=lambda info: outranks(failure_class(info), failure_class(fields)) or (
             info.get("status") == Status.REQUEUED and info.get("failure") is not None), **fields)
+    if restart is not None and restart.ask(log.error):
+        return
     if job is None:
         return
     if requeue_without_suspects(run_dir, log.error, job) in (REQUEUED, ELSEWHERE):
         return
-    if fields.get("failure") == "node_failure":
+    standing = read_run_json(run_dir).get("failure")  # what stands, not this rank's guess
+    if standing == "node_failure":
         # Slurm notices a dead node only after SlurmdTimeout; until then the job would
         # hold the surviving nodes. End it now: the run is resumable elsewhere.
         preempt.cancel(job)
-    elif fields.get("failure") in START_REFUSALS:
+    elif standing in START_REFUSALS:
         # Tasks that could take their device wait in the rendezvous for this one until
         # train.dist_timeout_s: end the job now (the same refusal awaits it on a requeue).
         preempt.cancel(job)

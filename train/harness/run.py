@@ -6,7 +6,8 @@ SLURM_* or a torchrun environment, :mod:`train.harness.dist`), refuse to run a f
 run again, mark the run ``running``, run the preflight, start the heartbeat and hang
 watchdog, call ``workload(task)``, then record the outcome in run.json: ``completed``,
 a counted interruption with its requeue, or ``failed`` with the failure's class
-(:mod:`train.harness.outcome`). The built-in trainer (:func:`train.main.trainer`) is one
+(:mod:`train.harness.outcome`) and, where the job may, a restart of its ranks inside the
+allocation (:mod:`train.harness.restart`). The built-in trainer (:func:`train.main.trainer`) is one
 workload; a user's script or function will be another.
 
 Torch is imported inside :func:`run_task`, after the caller installed the preemption
@@ -18,9 +19,9 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from slurm.env import task_identity
 from slurm.states import final
@@ -30,10 +31,12 @@ from spec.validate import WATCHDOG_GRACE_S, validate
 from spec.layout import Layout, build_layout
 from spec.rundir import (CONFIG, SEGMENT_FAILURE, MetricsRow, Status, append_metrics, read_run_json, status_of,
                          update_run_json)
+from train.harness import restart
 from train.harness.faults import Faults
 from train.harness.node_facts import write_node_facts
 from train.harness.outcome import mark_stderr, record_failure, record_hang, record_outcome, refuse_start
 from train.harness.preempt import PreemptionFlag
+from train.harness.restart import Restart
 from train.harness.watchdog import Watchdog, heartbeat_interval
 
 # Statuses after which a (re)started job does nothing: resubmission resets them.
@@ -51,15 +54,25 @@ class Task:
     log: Callable[[str], None]  # this rank's log (rank 0 also to stdout)
     flag: PreemptionFlag  # set by USR2 / SIGTERM; the workload agrees on it at a step boundary
     watchdog: Watchdog  # phase() / progress() from the workload's steps
+    _rows_written: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def faults(self) -> Faults:
         """The fault seam of this task: ``fault.*`` for this rank and segment."""
-        return Faults(self.cfg.fault, self.ctx.rank, self.segment)
+        return Faults(self.cfg.fault, self.ctx.rank, self.segment, self.run_dir)
+
+    @property
+    def restart(self) -> Restart:
+        """What a failure of this task asks of the job's step loop (:mod:`train.harness.restart`)."""
+        return Restart(self.run_dir, self.cfg.cluster.in_job_restarts, self.ctx, self.segment, self.watchdog)
 
     def write_metrics(self, row: MetricsRow | Mapping[str, Any]) -> None:
-        """Append one metrics.jsonl row (the caller decides which rank writes)."""
+        """Append one metrics.jsonl row (the caller decides which rank writes); a restarted
+        segment's first one also gives its restart's ``seconds_lost``."""
         append_metrics(self.run_dir, row)
+        if not self._rows_written:
+            self._rows_written = True
+            restart.note_first_row(self.run_dir, self.ctx, row)
 
 
 Workload = Callable[[Task], Status]  # COMPLETED, or INTERRUPTED (a checkpoint committed after a signal)
@@ -97,11 +110,12 @@ def run_task(run_dir: str | Path, workload: Workload, flag: Optional[PreemptionF
     if info is None:
         shutdown()
         return 0
-    task = Task(cfg, layout, run_dir, ctx, int(info.get("segments", 0)), log.info, flag, _watchdog(cfg, ctx, run_dir))
+    segment = int(info.get("segments", 0))
+    task = Task(cfg, layout, run_dir, ctx, segment, log.info, flag, _watchdog(cfg, ctx, run_dir, segment, log.info))
     try:
         outcome = workload(task)
     except BaseException as exc:
-        record_failure(exc, run_dir, ctx.rank, ctx.world_size, log, task.watchdog.interval_s)
+        record_failure(exc, run_dir, ctx.rank, ctx.world_size, log, task.watchdog.interval_s, task.restart)
         raise
     task.watchdog.stop()
     if ctx.is_main:
@@ -156,6 +170,7 @@ def _claim(cfg: RunConfig, layout: Layout, ctx, run_dir: Path, log: logging.Logg
                         world_size=ctx.world_size, nodes=len(hostnames), segments=int(info[0].get("segments", 0)) + 1,
                         strategy=cfg.strategy.name, launcher=ctx.launcher, backend=ctx.backend,
                         started_at=time.time(), restart_count=ctx.restart_count, **SEGMENT_FAILURE)
+        restart.note_start(run_dir, ctx)
     mark_stderr(run_dir)  # a hardware fault is looked for in this segment's stderr only
     if ctx.local_rank == 0:  # each node's torch, CUDA, driver, NCCL, GPUs: RUN_DIR/nodes/<host>.json
         try:
@@ -169,11 +184,19 @@ def _claim(cfg: RunConfig, layout: Layout, ctx, run_dir: Path, log: logging.Logg
     return info[0]
 
 
-def _watchdog(cfg: RunConfig, ctx, run_dir: Path) -> Watchdog:
-    """Heartbeats, and the hang check when ``cluster.hang_timeout_s`` > 0."""
+def _watchdog(cfg: RunConfig, ctx, run_dir: Path, segment: int, log: Callable[[str], None]) -> Watchdog:
+    """Heartbeats, and the hang check when ``cluster.hang_timeout_s`` > 0: a hang is
+    recorded, then restarted inside the job when the step loop may."""
     # Until the first step completes (build, restore, lazy init) a hang may take 3x as
     # long, but never past the collective timeout, which would abort without a report.
     hang = cfg.cluster.hang_timeout_s
     startup = min(3 * hang, cfg.train.dist_timeout_s - WATCHDOG_GRACE_S)
-    return Watchdog(run_dir, ctx.rank, ctx.node_rank, ctx.hostname, ctx.world_size, hang,
-                    interval_s=heartbeat_interval(hang), on_hang=lambda report: record_hang(run_dir, report), startup_timeout_s=startup).start()
+
+    def on_hang(report: Dict[str, Any]) -> None:
+        record_hang(run_dir, report)
+        stuck, hosts = report.get("stuck_ranks") or [None], report.get("stuck_hosts") or [None]
+        Restart(run_dir, cfg.cluster.in_job_restarts, ctx, segment, watchdog).ask(log, stuck[0], hosts[0])
+
+    watchdog = Watchdog(run_dir, ctx.rank, ctx.node_rank, ctx.hostname, ctx.world_size, hang,
+                        interval_s=heartbeat_interval(hang), on_hang=on_hang, startup_timeout_s=startup)
+    return watchdog.start()

@@ -47,7 +47,9 @@ from spec.user_env import task_environment
 from train import session
 from train.harness.groups import keep_destroyed_groups
 from train.harness.outcome import after_interruption, record_failure, refuse_start
+from train.harness import restart
 from train.harness.preempt import PreemptionFlag, in_slurm_job
+from train.harness.restart import Restart
 from train.harness.run import rank_logger
 from train.harness.watchdog import Watchdog, heartbeat_interval
 
@@ -106,6 +108,13 @@ class _Task:
     info: Dict[str, Any]  # run.json as the segment started
     log: Any  # logging.Logger
 
+    def restart(self, watchdog: Watchdog) -> Restart:
+        """What a failure asks of the job's step loop: a restart inside the job runs the code
+        again, which resumes from its own checkpoints (its steps are known only through
+        ``train.session.log``)."""
+        return Restart(self.run_dir, self.cfg.cluster.in_job_restarts, self.te, self.info["segments"] - 1, watchdog,
+                       steps_known=False)
+
 
 def _prepare(run_dir: Path) -> Optional[_Task]:
     """Environment, logger and run.json (``running``) of this task; None when the run is
@@ -135,6 +144,7 @@ def _prepare(run_dir: Path) -> Optional[_Task]:
                         strategy=cfg.strategy.name, launcher=te.launcher, entrypoint=cfg.entrypoint,
                         started_at=time.time(), restart_count=te.restart_count, **SEGMENT_FAILURE,
                         code_changed=changed)
+        restart.note_start(run_dir, te)
     log.info(f"segment {segment}: {entry['kind']} {cfg.entrypoint}, rank {te.rank} of {te.world_size} ({te.launcher})")
     if changed:
         log.warning(f"{entry['path']} changed since submission (sha256 differs from {ENTRYPOINT})")
@@ -204,7 +214,7 @@ def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:
             log.info(f"interrupted by a signal ({type(exc).__name__}); the code did not ask "
                      "(train.session.should_stop)")
             return 0
-        record_failure(exc, run_dir, te.rank, te.world_size, log, watchdog.interval_s)
+        record_failure(exc, run_dir, te.rank, te.world_size, log, watchdog.interval_s, task.restart(watchdog))
         if isinstance(exc, ExitStatus):
             return code
         raise

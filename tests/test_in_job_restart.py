@@ -1,0 +1,217 @@
+"""Restarts inside the job (cluster.in_job_restarts), without Slurm: the decision
+(slurm.states.restart_refusal), the tasks' request and its record in run.json
+(train.harness.restart, through train.harness.outcome.record_failure), and the batch
+script's step loop, run by bash with a stand-in for srun."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import compose_run
+from launcher.submit import render_script
+from slurm.env import rendezvous_port, task_identity
+from slurm.states import restart_refusal
+from spec.identity import TaskIdentity
+from spec.layout import build_layout
+from spec.rundir import RESTART, SEGMENT_FAILURE, Status, read_run_json, update_run_json
+from train.harness.outcome import record_failure, record_hang
+from train.harness.restart import Restart, note_first_row, note_start
+
+ERROR = "RuntimeError: fault.raise_at_step=7: injected failure"
+
+
+def entry(step=7, error=ERROR, job="41"):
+    return {"job_id": job, "segment": 0, "error": error, "step": step}
+
+
+@pytest.mark.parametrize("entries,failure,error,step,budget,started,why", [
+    ([], None, ERROR, 7, 3, True, None),                                   # a rank's own error
+    ([], "hang", "hang: no step completed", 9, 3, True, None),
+    ([], "rank_failure", "RuntimeError: Connection closed by peer", 7, 3, True, None),
+    ([entry()], None, ERROR, 9, 3, True, None),                           # another step: not a loop
+    ([entry(job="40"), entry(job="40")], None, ERROR, 7, 2, True, None),  # an earlier job's restarts
+    ([], None, ERROR, 7, 3, None, None),                                  # a user's code: steps unknown
+    ([], None, ERROR, 7, 0, True, "cluster.in_job_restarts=0"),
+    ([], "node_failure", ERROR, 7, 3, True, "failure node_failure is not restarted"),
+    ([], "no_cuda", ERROR, 7, 3, True, "failure no_cuda is not restarted"),
+    ([], None, "ModuleNotFoundError: No module named 'x'", 7, 3, True, "ModuleNotFoundError is an error of the start"),
+    ([], None, ERROR, 1, 3, False, "failed before the run's first step"),
+    ([entry(), entry(step=9)], None, ERROR, 11, 2, True, "restart budget spent: cluster.in_job_restarts=2"),
+    ([entry()], None, ERROR, 7, 3, True, "crash loop: the same error at step 7"),
+])
+def test_which_failures_are_restarted_inside_the_job(entries, failure, error, step, budget, started, why):
+    got = restart_refusal(entries, failure, error, step, "41", budget, started)
+    assert got == why if why is None else got.startswith(why)
+
+
+def test_the_rendezvous_port_follows_the_restart_index():
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NTASKS": "2",
+           "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242"}
+    first = task_identity(env)
+    assert first.in_job_restart is None and first.master_port == rendezvous_port("4242") == 29500 + 4242
+    ports = [task_identity({**env, "STO_IN_JOB_RESTART": str(i)}).master_port for i in range(4)]
+    assert ports[0] == first.master_port and len(set(ports)) == 4
+    assert task_identity({**env, "STO_IN_JOB_RESTART": "2"}).in_job_restart == 2
+
+
+class Beats:
+    """A watchdog as the trainer leaves it: ``step`` steps begun, ``warm`` once one completed."""
+
+    def __init__(self, step: int, warm: bool = True) -> None:
+        self.step, self.warm, self.interval_s = step, warm, 0
+
+
+def identity(rank: int, restart=0, job="41") -> TaskIdentity:
+    return TaskIdentity(rank=rank, world_size=2, local_rank=0, local_world_size=1, node_rank=rank,
+                        master_addr="node1", master_port=29541, job_id=job, restart_count=0, launcher="srun",
+                        in_job_restart=restart)
+
+
+def started_segment(run_dir: Path, segment: int) -> None:
+    """run.json as rank 0's claim leaves it when a segment starts."""
+    update_run_json(run_dir, status=Status.RUNNING, segments=segment + 1, **SEGMENT_FAILURE)
+
+
+@pytest.fixture
+def no_slurm(monkeypatch):
+    for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_ranks_error_is_restarted_once_and_its_peers_echo_changes_nothing(tmp_path, no_slurm):
+    """Rank 1 raises at step 7 of segment 0: run.json names it (failed_rank, its node), the
+    job restarts (in_job_restarts gets one entry, RUN_DIR/RESTART is written); rank 0's
+    broken connection after it neither replaces the cause nor adds an entry."""
+    log = logging.getLogger("test_in_job_restart")
+    started_segment(tmp_path, 0)
+    record_failure(RuntimeError("fault.raise_at_step=7: injected failure"), tmp_path, 1, 2, log, 0,
+                   Restart(tmp_path, 3, identity(1), 0, Beats(6)))
+    record_failure(RuntimeError("[gloo] Connection closed by peer"), tmp_path, 0, 2, log, 0,
+                   Restart(tmp_path, 3, identity(0), 0, Beats(6)))
+    info = read_run_json(tmp_path)
+    assert info["status"] == "restarting" and info["error"] == ERROR and info["failed_rank"] == 1
+    assert info["failure"] is None and info["in_job_restart"] == "restart 1 of 3 in job 41"
+    [restart] = info["in_job_restarts"]
+    assert {k: restart[k] for k in ("job_id", "segment", "reason", "error", "step", "rank")} == {
+        "job_id": "41", "segment": 0, "reason": "error", "error": ERROR, "step": 7, "rank": 1}
+    assert restart["node"] == info["failed_node"] and restart["failed_at"] > 0
+    assert json.loads((tmp_path / RESTART).read_text()) == restart
+
+
+def test_a_hang_that_every_rank_records_is_restarted_once(tmp_path):
+    """Every rank's watchdog records the hang and asks: the first asks the restart (the
+    stuck rank and its node in the entry), the later ones' records leave it restarting."""
+    started_segment(tmp_path, 1)
+    report = {"timeout_s": 10, "stuck_ranks": [1], "stuck_hosts": ["node2"]}
+    for rank in (0, 1):
+        record_hang(tmp_path, report)
+        assert Restart(tmp_path, 3, identity(rank, restart=1), 1, Beats(8)).ask(print, 1, "node2")
+    info = read_run_json(tmp_path)
+    assert info["status"] == "restarting" and info["failure"] == "hang"
+    [restart] = info["in_job_restarts"]
+    assert (restart["reason"], restart["rank"], restart["node"], restart["step"]) == ("hang", 1, "node2", 9)
+
+
+def test_the_same_error_at_the_same_step_ends_the_run(tmp_path, no_slurm):
+    log = logging.getLogger("test_in_job_restart")
+    for segment in (0, 1):
+        started_segment(tmp_path, segment)
+        (tmp_path / RESTART).unlink(missing_ok=True)  # the batch script's, before each srun
+        record_failure(RuntimeError("fault.raise_at_step=8: injected failure"), tmp_path, 1, 2, log, 0,
+                       Restart(tmp_path, 3, identity(1, restart=segment), segment, Beats(7)))
+    info = read_run_json(tmp_path)
+    assert len(info["in_job_restarts"]) == 1 and not (tmp_path / RESTART).exists()
+    assert info["status"] == "failed" and info["in_job_restart"].startswith("not restarted: crash loop")
+
+
+def test_no_restart_without_the_step_loop_or_before_the_first_step(tmp_path, no_slurm):
+    log = logging.getLogger("test_in_job_restart")
+    started_segment(tmp_path, 0)
+    record_failure(RuntimeError("boom"), tmp_path, 0, 2, log, 0, Restart(tmp_path, 3, identity(0, None), 0, Beats(6)))
+    assert "in_job_restarts" not in read_run_json(tmp_path) and read_run_json(tmp_path)["in_job_restart"] is None
+    record_failure(RuntimeError("boom"), tmp_path, 0, 2, log, 0, Restart(tmp_path, 3, identity(0), 0, Beats(0, False)))
+    info = read_run_json(tmp_path)
+    assert info["in_job_restart"] == "not restarted: failed before the run's first step"
+    assert not (tmp_path / RESTART).exists()
+
+
+def test_a_restarted_segment_notes_when_it_started_and_the_seconds_lost(tmp_path):
+    update_run_json(tmp_path, in_job_restarts=[dict(entry(), failed_at=100.0, restarted_at=None, seconds_lost=None)])
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 7, "segment": 0, "time": 90.0}) + "\n")
+    note_start(tmp_path, identity(0, restart=0))  # the job's first step: no restart to note
+    assert read_run_json(tmp_path)["in_job_restarts"][0]["restarted_at"] is None
+    note_start(tmp_path, identity(0, restart=1))
+    note_first_row(tmp_path, identity(0, restart=1), {"step": 7, "segment": 1, "time": 130.5})
+    [restart] = read_run_json(tmp_path)["in_job_restarts"]
+    assert restart["restarted_at"] >= 100.0 and restart["downtime_s"] == round(restart["restarted_at"] - 100.0, 3)
+    assert restart["seconds_lost"] == 40.5  # step 7 reached 40.5 s later than before the failure
+
+
+# --- the batch script's step loop ---------------------------------------------------------
+
+FAKE_SRUN = """#!/bin/bash
+# A stand-in for srun: notes the restart index and the folder, and fails with the request
+# file left behind while $FAIL_TIMES says so.
+echo "${STO_IN_JOB_RESTART:-unset} ${@: -1}" >> "$CALLS"
+n=$(wc -l < "$CALLS")
+if [ "$n" -le "$FAIL_TIMES" ]; then
+  [ -n "$MARK" ] && echo '{"step": 7}' > "$MARK"
+  exit 1
+fi
+exit 0
+"""
+
+
+def run_script(tmp_path: Path, overrides, fail_times: int, mark: bool = True, folder: Path | None = None):
+    """The rendered batch script of a 2-node localslurm run, run by bash with srun and
+    scontrol stood in for: (exit status, the srun calls, stderr)."""
+    cfg = compose_run(["+cluster=localslurm", *overrides])
+    run_dir = tmp_path / "run dir"
+    (run_dir / "slurm").mkdir(parents=True)
+    script = render_script(cfg, build_layout(cfg), run_dir, python="python", wrapper="/w.sh")
+    if folder is not None:  # a job array's element: its folder is SWEEP/.arrays/UID/%a -> RUN_DIR/slurm
+        script = script.replace(f"'{run_dir}/slurm'", f"'{folder}/%a'")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", "#!/bin/bash\necho scontrol \"$@\" >> \"$CALLS\"\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"), "FAIL_TIMES": str(fail_times),
+           "MARK": str(run_dir / RESTART) if mark else "", "SLURM_JOB_ID": "41", "SLURM_ARRAY_TASK_ID": "3"}
+    proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    return proc.returncode, calls, proc.stderr, run_dir
+
+
+def test_the_step_runs_again_while_it_asks_and_restarts_are_left(tmp_path):
+    code, calls, err, run_dir = run_script(tmp_path, ["cluster.in_job_restarts=3"], fail_times=2)
+    assert code == 0 and [c.split()[0] for c in calls] == ["0", "1", "2"]
+    assert calls[0].split(" ", 1)[1] == f"{run_dir}/slurm"
+    assert "restart 1 of 3 inside job 41" in err and "restart 2 of 3" in err and '{"step": 7}' in err
+    assert not (run_dir / RESTART).exists()
+
+
+def test_the_loop_stops_at_the_budget_and_without_a_request(tmp_path):
+    code, calls, _, run_dir = run_script(tmp_path / "a", ["cluster.in_job_restarts=2"], fail_times=9)
+    assert code == 1 and [c.split()[0] for c in calls] == ["0", "1", "2"]
+    assert (run_dir / RESTART).exists()  # the last request is left: nobody honoured it
+    code, calls, _, _ = run_script(tmp_path / "b", ["cluster.in_job_restarts=2"], fail_times=1, mark=False)
+    assert code == 1 and len(calls) == 1  # a failure the tasks did not ask to restart
+    code, calls, _, _ = run_script(tmp_path / "c", ["cluster.in_job_restarts=0"], fail_times=1)
+    assert code == 1 and calls == [f"unset {tmp_path / 'c' / 'run dir' / 'slurm'}"]  # no loop: the step once
+
+
+def test_an_array_element_finds_the_request_in_its_own_run_directory(tmp_path):
+    arrays = tmp_path / "sweep" / ".arrays" / "uid"
+    arrays.mkdir(parents=True)
+    os.symlink(tmp_path / "run dir" / "slurm", arrays / "3")  # element 3's folder, as submit_array links it
+    code, calls, _, _ = run_script(tmp_path, [], fail_times=1, folder=arrays)
+    assert code == 0 and [c.split()[0] for c in calls] == ["0", "1"]
+    assert calls[0].split(" ", 1)[1] == f"{arrays}/%a"

@@ -1,0 +1,164 @@
+"""Restarts inside the job (``cluster.in_job_restarts``): a failure costs seconds, not a
+place in the queue.
+
+1. The batch script runs the training step in a loop
+   (:func:`slurm.submitit_adapter.in_job_restart_loop`): the k-th srun of the job gets
+   ``STO_IN_JOB_RESTART=k`` (:attr:`spec.identity.TaskIdentity.in_job_restart`; the
+   rendezvous port follows it, :func:`slurm.env.rendezvous_port`).
+2. A task whose workload failed records the failure first
+   (:func:`train.harness.outcome.record_failure`; a hang: the watchdog's report), then
+   asks :func:`request`: under run.json's lock, :func:`slurm.states.restart_refusal`
+   decides from the failure that stands (a rank's own error outranks its peers' broken
+   connections). A restart makes run.json's status ``restarting``, appends an entry to
+   its ``in_job_restarts`` (job, segment, reason, error, step, failing rank and node,
+   time) and writes ``RUN_DIR/RESTART``; a refusal is written to ``in_job_restart`` and the failure takes
+   today's path (an exclusion requeue, or the run ends ``failed``). The first task to ask
+   in a segment decides the restart; the others find its entry.
+3. Every task of the step exits (the failing rank, its peers on their broken
+   connections, all of them on a hang); srun returns; the batch script finds the file,
+   removes it and starts srun again while its own count allows. The new segment resumes
+   from the last committed checkpoint, same job id, ``SLURM_RESTART_COUNT`` unchanged.
+4. The new segment's rank 0 notes ``restarted_at`` and ``downtime_s`` (failure to the
+   new segment's start: :func:`note_start`) and, at its first metrics row,
+   ``seconds_lost`` (:func:`note_first_row`): how much later the run reached that step
+   than before the failure (the work redone plus the time down).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+from slurm.states import restart_refusal
+from spec.identity import TaskIdentity
+from spec.rundir import RESTART, Status, change_run_json, read_metrics, status_of
+
+
+@dataclass
+class Restart:
+    """What a task's failure asks of the job's step loop: its run, ``cluster.in_job_restarts``,
+    the task, its segment and its watchdog (the step it failed in, and whether the run
+    had done a step: the built-in trainer reports every step and begins at the step it
+    restored; a user's code only when it calls ``train.session.log``)."""
+
+    run_dir: Path
+    budget: int
+    identity: TaskIdentity
+    segment: int
+    watchdog: Any  # train.harness.watchdog.Watchdog
+    steps_known: bool = True  # False: a user's code (steps seen only through session.log)
+
+    def ask(self, log: Callable[[str], None], rank: Optional[int] = None, node: Optional[str] = None) -> bool:
+        """:func:`request` for this task's failure (``rank``/``node``: a hang's stuck rank)."""
+        w = self.watchdog
+        started = (w.warm or w.step > 0) if self.steps_known else (True if w.warm else None)
+        return request(self.run_dir, self.budget, self.identity, self.segment, w.step + 1, started, log, rank, node)
+
+
+def request(run_dir: Path, budget: int, identity: TaskIdentity, segment: int, step: int, started: Optional[bool],
+            log: Callable[[str], None], rank: Optional[int] = None, node: Optional[str] = None) -> bool:
+    """After this task recorded a failure of segment ``segment`` at ``step``: True when the
+    job restarts it (this task's request, or another task's of the segment). ``rank``,
+    ``node``: the failing rank and its host when not this task's own (a hang's stuck rank).
+    False without a step loop (a job submitted without one, torchrun, a local run)."""
+    if identity.in_job_restart is None:
+        return False
+    job = identity.job_id
+    decided: Dict[str, Any] = {}
+
+    def change(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        entries: List[Dict[str, Any]] = list(info.get("in_job_restarts") or [])
+        if any(e.get("job_id") == job and e.get("segment") == segment for e in entries):
+            decided["restart"] = True  # another task of this segment asked first; this one's record
+            return {"status": Status.RESTARTING} if status_of(info) is Status.FAILED else None  # undone
+        if status_of(info) is not Status.FAILED:  # requeued without a node, or already over
+            return None
+        error = str(info.get("error") or "")
+        why = restart_refusal(entries, info.get("failure"), error, step, job, budget, started)
+        if why is not None:
+            decided["why"] = why
+            return {"in_job_restart": f"not restarted: {why}"}
+        entry = {"job_id": job, "segment": segment, "reason": info.get("failure") or "error", "error": error,
+                 "step": step, **_culprit(info, identity, rank, node), "failed_at": time.time(),
+                 "restarted_at": None, "seconds_lost": None}
+        decided.update(restart=True, entry=entry)
+        used = sum(1 for e in entries if e.get("job_id") == job) + 1
+        return {"status": Status.RESTARTING, "in_job_restarts": entries + [entry],
+                "in_job_restart": f"restart {used} of {budget} in job {job}"}
+
+    change_run_json(run_dir, change)
+    if "entry" in decided:
+        path = Path(run_dir) / RESTART
+        tmp = path.with_name(f".{RESTART}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(decided["entry"]) + "\n")
+        os.replace(tmp, path)
+        log(f"segment {segment} failed at step {step}: the job starts its ranks again "
+            f"(cluster.in_job_restarts={budget}; run.json in_job_restarts)")
+    elif "why" in decided:
+        log(f"not restarted inside the job: {decided['why']}")
+    return bool(decided.get("restart"))
+
+
+def _culprit(info: Mapping[str, Any], identity: TaskIdentity, rank: Optional[int], node: Optional[str]
+             ) -> Dict[str, Any]:
+    """The failing rank and its node: as given (a hang's stuck rank), else the rank whose
+    own error stands (``failed_rank``), else the first dead rank, else this task."""
+    if rank is not None:
+        return {"rank": rank, "node": node}
+    if info.get("failed_rank") is not None:
+        return {"rank": info["failed_rank"], "node": info.get("failed_node")}
+    if info.get("dead_ranks"):
+        return {"rank": info["dead_ranks"][0], "node": (info.get("dead_hosts") or [None])[0]}
+    return {"rank": identity.rank, "node": socket.gethostname()}
+
+
+def _last_open(info: Mapping[str, Any], job: str, key: str) -> Optional[int]:
+    """Index of this job's newest in_job_restarts entry whose ``key`` is still unset."""
+    entries = info.get("in_job_restarts") or []
+    if entries and entries[-1].get("job_id") == job and entries[-1].get(key) is None:
+        return len(entries) - 1
+    return None
+
+
+def note_start(run_dir: Path, identity: TaskIdentity) -> None:
+    """Rank 0 of a segment the step loop restarted: ``restarted_at`` of its entry."""
+    if not identity.in_job_restart:
+        return
+
+    def change(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        i = _last_open(info, identity.job_id, "restarted_at")
+        if i is None:
+            return None
+        entries = [dict(e) for e in info["in_job_restarts"]]
+        entries[i]["restarted_at"] = now = time.time()
+        entries[i]["downtime_s"] = round(now - float(entries[i].get("failed_at") or now), 3)
+        return {"in_job_restarts": entries}
+
+    change_run_json(run_dir, change)
+
+
+def note_first_row(run_dir: Path, identity: TaskIdentity, row: Mapping[str, Any]) -> None:
+    """Rank 0, the first metrics row of a restarted segment: ``seconds_lost`` of its entry,
+    how much later the run reached ``row``'s step than the failed segment had (the work
+    redone plus the time down); without an earlier row of that step, the time from the
+    failure to this row."""
+    if not identity.in_job_restart or row.get("time") is None:
+        return
+    now, step = float(row["time"]), row.get("step")
+    before = [r.get("time") for r in read_metrics(run_dir) if r.get("step") == step and r.get("time") is not None
+              and r.get("segment") != row.get("segment")]
+
+    def change(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        i = _last_open(info, identity.job_id, "seconds_lost")
+        if i is None:
+            return None
+        entries = [dict(e) for e in info["in_job_restarts"]]
+        since = before[-1] if before else entries[i].get("failed_at")
+        entries[i]["seconds_lost"] = round(now - float(since), 3) if since is not None else None
+        return {"in_job_restarts": entries}
+
+    change_run_json(run_dir, change)
