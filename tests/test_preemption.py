@@ -118,9 +118,12 @@ def test_time_limit_is_a_timeout_and_the_cap_stops_it(tmp_path, slurm_cluster):
 
 
 def test_a_failing_run_is_not_requeued(tmp_path, slurm_cluster):
-    """An exception (a bug, an OOM) ends the run as failed, with its checkpoints kept for
-    launcher.resume; the job is not requeued (it would fail again)."""
-    job, run_dir = submit(tmp_path, slurm_cluster, ["fault.raise_at_step=5", "checkpoint.every_steps=2"])
+    """Without restarts inside the job (cluster.in_job_restarts=0; with them:
+    tests/test_in_job_restart_slurm.py) an exception (a bug, an OOM) ends the run as
+    failed, with its checkpoints kept for launcher.resume; the job is not requeued (it
+    would fail again)."""
+    job, run_dir = submit(tmp_path, slurm_cluster, ["fault.raise_at_step=5", "checkpoint.every_steps=2",
+                                                    "cluster.in_job_restarts=0"])
     assert wait_until(lambda: final_status(run_dir), 120, "the run to end") == "failed"
     wait_until(lambda: job_gone(job, slurm_cluster), 60, "the failed job to leave the queue")
     time.sleep(8)  # longer than cred_expire: a requeued job would be back by now

@@ -73,7 +73,7 @@ def test_deepspeed_reshape_converts_in_a_cpu_job_first(tmp_path, slurm_cluster):
     env = slurm_cluster
     args = ["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=2", "+strategy=zero3", "train.steps=10",
             "train.seq_len=32", "data.num_tokens=50000", "checkpoint.every_steps=4", "checkpoint.save_final=false",
-            "fault.raise_at_step=7"]
+            "fault.raise_at_step=7", "cluster.in_job_restarts=0"]  # the failure ends the job: resumed below
     job, run_dir = submit_run(args, tmp_path, env)
     wait_until(lambda: read_run_json(run_dir).get("status") == "failed" and job_gone(job, env), 240,
                "the ZeRO-3 run to fail at step 7 and leave the queue")
