@@ -144,14 +144,15 @@ def test_no_restart_without_the_step_loop_or_before_the_first_step(tmp_path, no_
 
 def test_a_restarted_segment_notes_when_it_started_and_the_seconds_lost(tmp_path):
     update_run_json(tmp_path, in_job_restarts=[dict(entry(), failed_at=100.0, restarted_at=None, seconds_lost=None)])
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 7, "segment": 0, "time": 90.0}) + "\n")
+    rows = [{"step": 6, "segment": 0, "time": 90.0}, {"step": 7, "segment": 0, "time": 91.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     note_start(tmp_path, identity(0, restart=0))  # the job's first step: no restart to note
     assert read_run_json(tmp_path)["in_job_restarts"][0]["restarted_at"] is None
     note_start(tmp_path, identity(0, restart=1))
-    note_first_row(tmp_path, identity(0, restart=1), {"step": 7, "segment": 1, "time": 130.5})
+    note_first_row(tmp_path, identity(0, restart=1), {"step": 7, "segment": 1, "time": 130.5, "step_time_s": 1.5})
     [restart] = read_run_json(tmp_path)["in_job_restarts"]
     assert restart["restarted_at"] >= 100.0 and restart["downtime_s"] == round(restart["restarted_at"] - 100.0, 3)
-    assert restart["seconds_lost"] == 40.5  # step 7 reached 40.5 s later than before the failure
+    assert restart["seconds_lost"] == 39.0  # step 7 done at 130.5, due at 90 + 1.5 (step 6's time + a step)
 
 
 # --- the batch script's step loop ---------------------------------------------------------

@@ -20,8 +20,8 @@ place in the queue.
    from the last committed checkpoint, same job id, ``SLURM_RESTART_COUNT`` unchanged.
 4. The new segment's rank 0 notes ``restarted_at`` and ``downtime_s`` (failure to the
    new segment's start: :func:`note_start`) and, at its first metrics row,
-   ``seconds_lost`` (:func:`note_first_row`): how much later the run reached that step
-   than before the failure (the work redone plus the time down).
+   ``seconds_lost`` (:func:`note_first_row`): how much later the run did that step than
+   it would have without the failure (the work redone plus the time down).
 """
 from __future__ import annotations
 
@@ -142,22 +142,24 @@ def note_start(run_dir: Path, identity: TaskIdentity) -> None:
 
 
 def note_first_row(run_dir: Path, identity: TaskIdentity, row: Mapping[str, Any]) -> None:
-    """Rank 0, the first metrics row of a restarted segment: ``seconds_lost`` of its entry,
-    how much later the run reached ``row``'s step than the failed segment had (the work
-    redone plus the time down); without an earlier row of that step, the time from the
-    failure to this row."""
+    """Rank 0, the first metrics row of a restarted segment (step k+1 after restoring step
+    k): ``seconds_lost`` of its entry, how much later the run did step k+1 than it would
+    have without the failure: this row's time less (the earlier segments' row of step k
+    plus this step's time). That is the work redone plus the time down. Without an
+    earlier row of step k: the time from the failure to this row."""
     if not identity.in_job_restart or row.get("time") is None:
         return
     now, step = float(row["time"]), row.get("step")
-    before = [r.get("time") for r in read_metrics(run_dir) if r.get("step") == step and r.get("time") is not None
-              and r.get("segment") != row.get("segment")]
+    before = [r.get("time") for r in read_metrics(run_dir) if r.get("step") == step - 1
+              and r.get("time") is not None and r.get("segment") != row.get("segment")]
+    due = before[-1] + float(row.get("step_time_s") or 0.0) if before else None
 
     def change(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         i = _last_open(info, identity.job_id, "seconds_lost")
         if i is None:
             return None
         entries = [dict(e) for e in info["in_job_restarts"]]
-        since = before[-1] if before else entries[i].get("failed_at")
+        since = due if due is not None else entries[i].get("failed_at")
         entries[i]["seconds_lost"] = round(now - float(since), 3) if since is not None else None
         return {"in_job_restarts": entries}
 
