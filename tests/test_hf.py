@@ -13,15 +13,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, launcher, run_dir_of
+import warm
+from conftest import REPO, run_dir_of
+from warm import launcher  # forked from one process that imported torch once (tests/warm.py)
 from spec.config import ConfigError, RunConfig
 from spec.hf import apply_hf_model
 
@@ -123,9 +122,7 @@ def test_cli_refusal_writes_nothing(hf_dirs, tmp_path):
 
 
 def _export(run_dir: Path, out: Path, *extra: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "launcher.export", str(run_dir), str(out), *extra],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = warm.run_module("launcher.export", [str(run_dir), str(out), *extra], cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
