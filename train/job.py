@@ -19,16 +19,28 @@ class TrainJob:
         # rather than meeting submitit's handler ("timed-out and not checkpointable": the
         # job ended, never requeued) or, outside submitit, killing the process.
         flag = PreemptionFlag().install()
+        from train.harness.restart import requested
         from train.main import is_user_run, run
 
-        code = run(self.run_dir, flag)
+        try:
+            code = run(self.run_dir, flag)
+        except BaseException:
+            if requested(self.run_dir) and not is_user_run(self.run_dir):
+                # The job starts its ranks again (train.harness.restart): the failure is
+                # recorded, so end at once and the next step starts seconds sooner.
+                import traceback
+
+                traceback.print_exc()
+                exit_now(1)
+            raise
         if flag.is_set and not is_user_run(self.run_dir):  # a user's code may rely on atexit
             exit_now(code)                                  # hooks and threads: its exit stays
         return code
 
 
 def exit_now(code: int) -> None:
-    """End an interrupted task of the built-in trainer at once. Its work is done
+    """End an interrupted task of the built-in trainer (or a failed one whose job restarts
+    it) at once. Its work is done
     (checkpoint committed, run.json written, the requeue asked, trackers closed, the
     process group gone), and Slurm ends the step as it requeues: an interpreter's teardown after torch took 3-4 s on this
     machine, outliving Slurm's SIGTERM until KillWait's SIGKILL, inside the requeue's wait

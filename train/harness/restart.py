@@ -103,6 +103,12 @@ def request(run_dir: Path, budget: int, identity: TaskIdentity, segment: int, st
     return bool(decided.get("restart"))
 
 
+def requested(run_dir: str | Path) -> bool:
+    """Whether this step asked the job to start its ranks again (RUN_DIR/RESTART: the batch
+    script removes it before each srun)."""
+    return (Path(run_dir) / RESTART).is_file()
+
+
 def _culprit(info: Mapping[str, Any], identity: TaskIdentity, rank: Optional[int], node: Optional[str]
              ) -> Dict[str, Any]:
     """The failing rank and its node: as given (a hang's stuck rank), else the rank whose
