@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-from launcher import entrypoint, local, submit
+from launcher import entrypoint, local, snapshot, submit
 from launcher.checks import already_done, check
 from launcher.compose import run_config
 from launcher.provenance import CodeState, code_state, write_provenance
@@ -49,6 +49,8 @@ class Session:
     entry_code: Dict[str, dict] = field(default_factory=dict)  # a user's entry file -> its sha256 and git state
     probe: submit.SlurmProbe = field(default_factory=submit.SlurmProbe)  # Slurm's answers, once per launch
     fresh_sweep_dir: Optional[Path] = None  # the outermost directory this sweep made (runs/, multirun/, ...)
+    code_trees: Dict[object, snapshot.Tree] = field(default_factory=dict)  # source trees listed (launcher.snapshot)
+    frozen: Dict[snapshot.Plan, snapshot.Frozen] = field(default_factory=dict)  # their copies made by this launch
 
     def code_state(self) -> CodeState:
         if self.code is None:
@@ -99,6 +101,8 @@ class Point:
     overrides: List[str]
     multirun: bool
     entry: Optional[dict] = None  # a user's entry point (launcher.entrypoint); None: the built-in trainer
+    code: Optional[snapshot.Plan] = None  # the code to freeze at submission (launcher.snapshot); None: none
+    frozen: Optional[snapshot.Frozen] = None  # the copies the tasks import, once made (or kept by a resume)
 
     def note(self, event: str, **fields) -> None:
         note(self.run_dir, self.multirun, self.overrides, event, **fields)
@@ -149,10 +153,11 @@ def checked(session: Session, config, run_dir: Path, label: str, overrides: List
         apply_hf_model(cfg, overrides)
         entry = entrypoint.resolve(cfg, cache=session.entry_code)
         layout, slurm_conf = check(cfg, session.probe)
+        code = snapshot.plan(cfg, run_dir, entry, session.code_trees)
     except ConfigError as exc:
         return refuse(session, str(exc), run_dir, label, overrides, record=not config.launcher.dry_run)
     session.accepted += 1
-    return Point(cfg, layout, run_dir, slurm_conf, label, overrides, session.multirun, entry)
+    return Point(cfg, layout, run_dir, slurm_conf, label, overrides, session.multirun, entry, code)
 
 
 def prepare(session: Session, p: Point, queued: Optional[Dict[str, str]] = None) -> Optional[int]:
@@ -165,17 +170,29 @@ def prepare(session: Session, p: Point, queued: Optional[Dict[str, str]] = None)
         print("\n".join(summary_lines(p.run_dir)))
         return 0
     (p.run_dir / CONFIG).write_text(config_yaml(p.cfg, session.yaml_sections))
-    entrypoint.write(p.run_dir, p.entry, p.cfg)
+    if p.cfg.launcher.dry_run:
+        entrypoint.write(p.run_dir, p.entry, p.cfg)
+    else:
+        freeze_code(p, session.frozen)
     write_provenance(p.run_dir, session.code_state())
     return None
 
 
+def freeze_code(p: Point, memo: Optional[Dict[snapshot.Plan, snapshot.Frozen]] = None) -> None:
+    """Copy the point's code for its tasks (launcher.snapshot; once per launch: ``memo``)
+    and write entrypoint.json naming the entry point's copy."""
+    p.frozen = snapshot.freeze(p.code, memo) if p.code is not None else None
+    entrypoint.write(p.run_dir, snapshot.entry_for_tasks(p.entry, p.frozen), p.cfg)
+
+
 def dry_run(p: Point) -> int:
     if p.cfg.cluster.backend == "slurm":
-        script = submit.render_script(p.cfg, p.layout, p.run_dir)
+        code = p.frozen or (p.code.would_be() if p.code is not None else None)
+        script = submit.render_script(p.cfg, p.layout, p.run_dir, code=code)
         (p.run_dir / SBATCH).write_text(script)
         print(script)
         print(submit.resources_line(p.cfg))
+        print(snapshot.describe(code, p.cfg, "keeps" if p.frozen else "would freeze"))
     else:
         print(f"local: {p.layout.world_size} x `{sys.executable} -m train {p.run_dir}` with RANK=0..."
               f"{p.layout.world_size - 1}")
@@ -231,7 +248,7 @@ def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[in
             print(f"conversion before the job failed (exit {converted.returncode}); the job tries again")
     if cfg.cluster.backend != "slurm":
         update_run_json(run_dir, status=Status.STARTING, job_id="local", requeues_since_submit=0,
-                        **_common(cfg, layout, run_dir))
+                        code_snapshot=snapshot.record(None, cfg), **_common(cfg, layout, run_dir))
         print(f"local run: {layout.world_size} ranks on this machine\n{batch_line(cfg, layout)}\nrun_dir: {run_dir}",
               flush=True)
         code = local.run_local(cfg, layout, run_dir)
@@ -243,11 +260,11 @@ def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[in
 
     after = None
     if convert is not None:
-        after = submit.submit_conversion(cfg, layout, run_dir, convert, p.slurm_conf)
+        after = submit.submit_conversion(cfg, layout, run_dir, convert, p.slurm_conf, p.frozen)
         update_run_json(run_dir, conversion_job=after)
         print(f"submitted job {after}: DeepSpeed's universal conversion of the newest checkpoint for ZeRO stage "
               f"{convert} (1 node, CPUs only); the training job starts after it")
-    job_id = str(submit.submit(cfg, layout, run_dir, p.slurm_conf, after=after).job_id)
+    job_id = str(submit.submit(cfg, layout, run_dir, p.slurm_conf, after=after, code=p.frozen).job_id)
     submitted(session, p, job_id)
     if wait:
         return wait_and_report(job_id, run_dir, p.slurm_conf, cfg.launcher.wait_poll_s, cfg.launcher.wait_max_poll_s)
@@ -257,11 +274,13 @@ def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[in
 def submitted(session: Optional[Session], p: Point, job_id: str) -> None:
     """Record a submitted job (run.json, this launch's session) and print its two lines."""
     update_run_json(p.run_dir, status=Status.SUBMITTED, job_id=job_id, requeues_since_submit=0,
-                    slurm_conf=p.slurm_conf, **_common(p.cfg, p.layout, p.run_dir))
+                    slurm_conf=p.slurm_conf, code_snapshot=snapshot.record(p.frozen, p.cfg),
+                    **_common(p.cfg, p.layout, p.run_dir))
     if session is not None:
         session.submitted.append((job_id, p.run_dir, p.slurm_conf))
         session.wait = session.wait or p.cfg.launcher.wait
     print(f"submitted job {job_id} ({p.label}): {p.cfg.cluster.nodes} node(s) x {p.cfg.cluster.gpus_per_node} tasks")
+    print(snapshot.describe(p.frozen, p.cfg, "froze"))
     if p.entry is None:
         print(batch_line(p.cfg, p.layout))
     print(f"run_dir: {p.run_dir}", flush=True)

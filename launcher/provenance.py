@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
 # Overrides that do not change what a run computes.
-_IGNORED = ("launcher.wait", "launcher.dry_run", "launcher.root", "launcher.run_dir", "hydra.", "hydra/")
+_IGNORED = ("launcher.wait", "launcher.dry_run", "launcher.root", "launcher.run_dir", "launcher.snapshot", "hydra.",
+            "hydra/")
 
 
 def _normalise(overrides: Iterable[str]) -> List[str]:

@@ -2,7 +2,9 @@
 
 Uses the run's own ``config.yaml`` (not a new composition), so the job is the one that
 was interrupted; the tasks resume from its newest committed checkpoint. A completed run
-is reported, not retrained. Exit 2 on a bad run directory.
+is reported, not retrained. Exit 2 on a bad run directory. The job imports the code the
+run froze at submission (launcher/snapshot.py) unless ``launcher.snapshot=refresh``
+freezes the checkout as it is now (``launcher.snapshot=false``: the checkout, unfrozen).
 
 Overrides after RUN_DIR (Hydra's ``key=value``, and ``strategy=NAME`` for a strategy
 profile) apply to the saved config: ``cluster.nodes=1``, ``cluster.gpus_per_node=4``,
@@ -29,8 +31,9 @@ import sys
 from pathlib import Path
 from typing import List
 
+from launcher import snapshot
 from launcher.checks import already_done, check
-from launcher.launch import Point, dry_run, start
+from launcher.launch import Point, dry_run, freeze_code, start
 from launcher.track.resume import conversion_stage, exclude_failed_nodes, record_reshape, reshape
 from launcher.track.summary import summary_lines
 from spec.config import ConfigError, RunConfig, to_run_config
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         exclude_failed_nodes(cfg, run_dir)
         new, notes = reshape(cfg, args.overrides) if args.overrides else (cfg, [])
         layout, slurm_conf = check(new)
+        entry, code, kept = snapshot.resume_code(run_dir, new, args.overrides)
     except ConfigError as exc:
         return _refused(exc)
     reason = already_done(new, run_dir, slurm_conf)
@@ -68,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for line in notes:
         print(line)
-    point = Point(new, layout, run_dir, slurm_conf, label=f"resume {run_dir.name}", overrides=[], multirun=False)
+    point = Point(new, layout, run_dir, slurm_conf, label=f"resume {run_dir.name}", overrides=[], multirun=False,
+                  entry=entry, code=code, frozen=kept)
     convert = conversion_stage(run_dir, new)
     if new.launcher.dry_run:  # the new shape's script and rank map; the run directory keeps its config
         if convert is not None:
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run(point)
     if args.overrides:
         record_reshape(run_dir, cfg, new, args.overrides)
+    if kept is None:  # frozen anew (launcher.snapshot=refresh, or none kept), or the checkout
+        freeze_code(point)
     return start(None, point, wait=wait_asked(args.wait, args.overrides, new), convert=convert)
 
 

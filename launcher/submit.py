@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from launcher.snapshot import Frozen
 from slurm import query, sbatch, submitit_adapter
 from slurm.states import job_over, job_state
 from slurm.submitit_adapter import TaskCall
@@ -119,9 +120,10 @@ def default_job_name(cfg: RunConfig) -> str:
     return f"sto-{name}"
 
 
-def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
+def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = None) -> Dict[str, Any]:
     """submitit/sbatch parameters of this run (the same for dry run and submission): one
-    task per GPU, each with cluster.task_cpus() CPUs and its GPU(s) by cluster.gpu_binding."""
+    task per GPU, each with cluster.task_cpus() CPUs and its GPU(s) by cluster.gpu_binding.
+    ``code``: the run's frozen code (launcher.snapshot), first on the tasks' PYTHONPATH."""
     c = cfg.cluster
     gpu: Dict[str, Any] = {}
     extra: Dict[str, Any] = {}
@@ -129,7 +131,7 @@ def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
     if c.accelerator == "gpu":
         gpu, extra, srun_gpu = sbatch.gpu_binding(c.gpu_binding, c.gpus_per_node, c.nodes)
     params = _job_parameters(cfg, cfg.launcher.job_name or default_job_name(cfg), c.nodes, c.gpus_per_node,
-                             c.task_cpus(), srun_gpu)
+                             c.task_cpus(), srun_gpu, code)
     params.update(gpu, setup=params["setup"] + submitit_adapter.in_job_restart_loop(c.in_job_restarts),
                   teardown=submitit_adapter.requeue_if_signalled(c.max_requeues))
     params["additional_parameters"] = {"requeue": True, **extra, **params["additional_parameters"]}
@@ -137,15 +139,17 @@ def slurm_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
 
 
 def _job_parameters(cfg: RunConfig, job_name: str, nodes: int, tasks_per_node: int, cpus_per_task: int,
-                    srun_gpu: List[str]) -> Dict[str, Any]:
+                    srun_gpu: List[str], code: Optional[Frozen] = None) -> Dict[str, Any]:
     """What every job of a run shares (training and conversion): name, shape, time, the
-    site's options, the environment, the srun line, and no submitit wckey."""
+    site's options, the environment (the frozen code's PYTHONPATH last, so it comes
+    first), the srun line, and no submitit wckey."""
     c = cfg.cluster
     setup = list(c.setup)
     try:
         setup += sbatch.export_lines(c.env)
     except ValueError as exc:
         raise ConfigError(f"cluster.env: {exc}; use letters, digits and _") from None
+    setup += code.setup_lines() if code is not None else []
     params: Dict[str, Any] = {
         "job_name": job_name,
         "nodes": nodes,
@@ -188,20 +192,30 @@ def resources_line(cfg: RunConfig) -> str:
                    f"(sbatch --gpus-per-node={c.gpus_per_node})")
 
 
+def _task_python(code: Optional[Frozen]) -> Tuple[Optional[str], Optional[str]]:
+    """(python, wrapper) of every task: the frozen copy's when there is one, else the defaults."""
+    return code.task_python() if code is not None else (None, None)
+
+
 def render_script(cfg: RunConfig, layout: Layout, run_dir: Path, python: Optional[str] = None,
-                  wrapper: Optional[str] = None) -> str:
-    return submitit_adapter.render(slurm_parameters(cfg, layout), run_dir / "slurm", python, wrapper)
+                  wrapper: Optional[str] = None, code: Optional[Frozen] = None) -> str:
+    frozen_python, frozen_wrapper = _task_python(code)
+    return submitit_adapter.render(slurm_parameters(cfg, layout, code), run_dir / "slurm", python or frozen_python,
+                                   wrapper or frozen_wrapper)
 
 
-def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[str], after: Optional[str] = None):
+def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[str], after: Optional[str] = None,
+           code: Optional[Frozen] = None):
     """Submit the job; return the submitit Job (returns as soon as sbatch answers).
-    ``after``: a job id it starts after, whatever that job's outcome (``afterany``)."""
+    ``after``: a job id it starts after, whatever that job's outcome (``afterany``).
+    ``code``: the run's frozen code (launcher.snapshot), what every task imports."""
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf  # sbatch here and every task of the job read it
-    params = slurm_parameters(cfg, layout)
+    params = slurm_parameters(cfg, layout, code)
     if after:
         params["additional_parameters"]["dependency"] = f"afterany:{after}"
-    job = submitit_adapter.submit(task_call(run_dir), run_dir / "slurm", params, cfg.cluster.max_requeues)
+    job = submitit_adapter.submit(task_call(run_dir), run_dir / "slurm", params, cfg.cluster.max_requeues,
+                                  *_task_python(code))
     try:
         shutil.copyfile(job.paths.submission_file, run_dir / "sbatch.sh")
     except OSError:
@@ -212,23 +226,25 @@ def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[s
 CONVERT = "train.checkpoint.convert:run"  # the conversion job's one task, with the run directory and stage
 
 
-def conversion_parameters(cfg: RunConfig, layout: Layout) -> Dict[str, Any]:
+def conversion_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = None) -> Dict[str, Any]:
     """The conversion job's: one node, one task with the CPUs of all the node's tasks (srun
     asks for them too), the run's partition, account, memory, environment and container;
     no GPU, no requeue."""
     c = cfg.cluster
     name = f"{cfg.launcher.job_name or default_job_name(cfg)}-convert"
-    return _job_parameters(cfg, name, 1, 1, c.task_cpus() * c.gpus_per_node, [])
+    return _job_parameters(cfg, name, 1, 1, c.task_cpus() * c.gpus_per_node, [], code)
 
 
-def submit_conversion(cfg: RunConfig, layout: Layout, run_dir: Path, stage: int, slurm_conf: Optional[str]) -> str:
+def submit_conversion(cfg: RunConfig, layout: Layout, run_dir: Path, stage: int, slurm_conf: Optional[str],
+                      code: Optional[Frozen] = None) -> str:
     """Submit the universal conversion of the run's newest checkpoint for a ZeRO ``stage``
     load (:mod:`train.checkpoint.convert`) as a CPU job (:func:`conversion_parameters`).
     Its id, for the training job's dependency."""
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf
     call = TaskCall(CONVERT, (str(run_dir), stage))
-    return str(submitit_adapter.submit(call, run_dir / "slurm", conversion_parameters(cfg, layout), 0).job_id)
+    return str(submitit_adapter.submit(call, run_dir / "slurm", conversion_parameters(cfg, layout, code), 0,
+                                       *_task_python(code)).job_id)
 
 
 # Elements per job array: Slurm's default MaxArraySize is 1001 (indices 0..1000).
@@ -240,7 +256,7 @@ class SubmissionError(RuntimeError):
 
 
 def submit_array(cfg: RunConfig, layout: Layout, run_dirs: List[Path], slurm_conf: Optional[str],
-                 sweep_dir: Path) -> List[str]:
+                 sweep_dir: Path, code: Optional[Frozen] = None) -> List[str]:
     """Submit one job array for runs whose sbatch parameters are all those of ``cfg``;
     return the element ids ("ARRAY_TASK", e.g. "123_4") in the order of ``run_dirs``.
 
@@ -255,19 +271,19 @@ def submit_array(cfg: RunConfig, layout: Layout, run_dirs: List[Path], slurm_con
     """
     ids: List[str] = []
     for first in range(0, len(run_dirs), ARRAY_MAX):
-        ids += _submit_one_array(cfg, layout, run_dirs[first:first + ARRAY_MAX], slurm_conf, sweep_dir)
+        ids += _submit_one_array(cfg, layout, run_dirs[first:first + ARRAY_MAX], slurm_conf, sweep_dir, code)
     return ids
 
 
 def _submit_one_array(cfg: RunConfig, layout: Layout, run_dirs: List[Path], slurm_conf: Optional[str],
-                      sweep_dir: Path) -> List[str]:
+                      sweep_dir: Path, code: Optional[Frozen]) -> List[str]:
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf  # sbatch here and every task of the job read it
     uid = uuid.uuid4().hex[:12]
     base = sweep_dir / ".arrays" / uid
     base.mkdir(parents=True)
-    params = dict(slurm_parameters(cfg, layout), map_count=len(run_dirs), array_parallelism=len(run_dirs))
-    script = submitit_adapter.render(params, base / "%a")
+    params = dict(slurm_parameters(cfg, layout, code), map_count=len(run_dirs), array_parallelism=len(run_dirs))
+    script = submitit_adapter.render(params, base / "%a", *_task_python(code))
     (base / "submission.sh").write_text(script)
     pending = []
     for i, run_dir in enumerate(run_dirs):

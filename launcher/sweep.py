@@ -96,8 +96,8 @@ def _groups(points: List[Tuple[int, Point]]) -> List[List[Tuple[int, Point]]]:
     """Points that can share one job array: the same sbatch script but for the folder."""
     groups: Dict[str, List[Tuple[int, Point]]] = {}
     for num, p in points:
-        key = json.dumps([p.slurm_conf, p.cfg.cluster.max_requeues, submit.slurm_parameters(p.cfg, p.layout)],
-                         sort_keys=True, default=str)
+        key = json.dumps([p.slurm_conf, p.cfg.cluster.max_requeues, submit.slurm_parameters(p.cfg, p.layout, p.frozen),
+                          p.frozen.task_python() if p.frozen else None], sort_keys=True, default=str)
         groups.setdefault(key, []).append((num, p))
     return list(groups.values())
 
@@ -106,10 +106,11 @@ def _submit_group(session: Session, group: List[Tuple[int, Point]]) -> Dict[int,
     first = group[0][1]
     try:
         if len(group) == 1:
-            ids = [str(submit.submit(first.cfg, first.layout, first.run_dir, first.slurm_conf).job_id)]
+            job = submit.submit(first.cfg, first.layout, first.run_dir, first.slurm_conf, code=first.frozen)
+            ids = [str(job.job_id)]
         else:
             ids = submit.submit_array(first.cfg, first.layout, [p.run_dir for _, p in group], first.slurm_conf,
-                                      first.run_dir.parent)
+                                      first.run_dir.parent, first.frozen)
     except Exception as exc:  # sbatch refused: these points are not submitted, the others go on
         reason = f"submission failed: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else exc!r}"
         for _, p in group:

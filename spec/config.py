@@ -257,6 +257,16 @@ class LauncherConfig:
     job_name: Optional[str] = None
     # Submit even when the planner predicts the config does not fit the GPUs' memory.
     allow_oom: bool = False
+    # What a Slurm job's tasks import (launcher/snapshot.py). "true": at submission the
+    # project's git-tracked and untracked-not-ignored files as they are (and an
+    # entrypoint='s repository, or its directory outside git) are copied into .code/<hash>
+    # beside the run directory (a sweep's points share one copy), and every segment,
+    # requeued or restarted, imports that copy: edits made after submission do not reach
+    # the job. "false": the tasks import the checkout as it is when they start. "refresh":
+    # `launcher.resume RUN_DIR` freezes the code anew (a resume keeps the run's copy
+    # otherwise). More than 200 MB or 20,000 files to freeze is refused. Local runs import
+    # the checkout (they run while the command waits).
+    snapshot: str = "true"
 
 
 @dataclass

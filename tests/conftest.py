@@ -37,9 +37,11 @@ def pytest_runtest_setup(item):
 CLUSTER_DIR = Path(os.environ.get("LOCALSLURM_DIR", "/tmp/localslurm"))
 
 
-def launcher(args: List[str], cwd: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python -m launcher ARGS`` in a subprocess, from ``cwd`` (runs land in cwd/runs)."""
-    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
+def launcher(args: List[str], cwd: Path, env: dict | None = None, timeout: float = 600,
+             repo: Path = REPO) -> subprocess.CompletedProcess:
+    """``python -m launcher ARGS`` in a subprocess, from ``cwd`` (runs land in cwd/runs),
+    with ``repo``'s code (a clone's: tests/test_frozen_code_slurm.py)."""
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(repo)}
     return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -63,9 +65,9 @@ def wait_until(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def submit_run(args: List[str], cwd: Path, env: dict) -> tuple:
+def submit_run(args: List[str], cwd: Path, env: dict, repo: Path = REPO) -> tuple:
     """``python -m launcher ARGS`` that submits one job: (job id, run directory)."""
-    proc = launcher(args, cwd=cwd, env=env, timeout=120)
+    proc = launcher(args, cwd=cwd, env=env, timeout=120, repo=repo)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = next(line.split()[2] for line in proc.stdout.splitlines() if line.startswith("submitted job"))
     return job, run_dir_of(proc.stdout)
