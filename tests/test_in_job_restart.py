@@ -20,7 +20,7 @@ from slurm.env import rendezvous_port, task_identity
 from slurm.states import restart_refusal
 from spec.identity import TaskIdentity
 from spec.layout import build_layout
-from spec.rundir import RESTART, SEGMENT_FAILURE, Status, read_run_json, update_run_json
+from spec.rundir import RESTART, SEGMENT_FAILURE, Status, read_metrics, read_run_json, update_run_json
 from train.harness.outcome import record_failure, record_hang
 from train.harness.restart import Restart, note_first_row, note_start
 
@@ -216,3 +216,25 @@ def test_an_array_element_finds_the_request_in_its_own_run_directory(tmp_path):
     code, calls, _, _ = run_script(tmp_path, [], fail_times=1, folder=arrays)
     assert code == 0 and [c.split()[0] for c in calls] == ["0", "1"]
     assert calls[0].split(" ", 1)[1] == f"{arrays}/%a"
+
+
+def test_a_users_first_logged_row_of_a_restarted_segment_gives_the_seconds_lost(tmp_path):
+    """train.session.log hands the segment's first row (rank 0) to the harness's hook once,
+    which notes the restart's seconds_lost as the trainer's first row does."""
+    from train import session
+    from train.harness.preempt import PreemptionFlag
+
+    update_run_json(tmp_path, in_job_restarts=[dict(entry(), failed_at=100.0, seconds_lost=None)])
+    me = identity(0, restart=1)
+    session._bind(session._State(tmp_path, 0, 2, 1, PreemptionFlag(),
+                                 first_row=lambda row: note_first_row(tmp_path, me, row)))
+    try:
+        session.log(3, loss=1.0)
+        assert read_run_json(tmp_path)["in_job_restarts"][0]["seconds_lost"] > 0  # no row of step 2: since the failure
+        update_run_json(tmp_path, in_job_restarts=[dict(read_run_json(tmp_path)["in_job_restarts"][0],
+                                                        seconds_lost=None)])
+        session.log(4, loss=0.9)  # not the first row: nothing noted again
+    finally:
+        session._bind(None)
+    assert read_run_json(tmp_path)["in_job_restarts"][0]["seconds_lost"] is None
+    assert [r["step"] for r in read_metrics(tmp_path)] == [3, 4]

@@ -46,6 +46,7 @@ class _State:
     stop: bool = False  # should_stop() returned True
     requeue: bool = False  # requeue() was called
     started: float = field(default_factory=time.time)
+    first_row: Any = None  # called with this segment's first metrics row (rank 0), then dropped
 
 
 _state: Optional[_State] = None
@@ -119,3 +120,6 @@ def log(step: int, **metrics: Any) -> None:
     row.update(step=int(step), world_size=_state.world_size, segment=_state.segment, time=time.time())
     row.setdefault("mfu", None)
     append_metrics(_state.run_dir, row)
+    hook, _state.first_row = _state.first_row, None
+    if hook is not None:
+        hook(row)

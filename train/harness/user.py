@@ -176,7 +176,8 @@ def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:
     watchdog = Watchdog(run_dir, te.rank, te.node_rank, socket.gethostname(), te.world_size, 0,
                         interval_s=heartbeat_interval(cfg.cluster.hang_timeout_s)).start()
     flag = flag if flag is not None else PreemptionFlag().install()
-    state = session._State(run_dir, te.rank, te.world_size, task.info["segments"], flag, watchdog)
+    state = session._State(run_dir, te.rank, te.world_size, task.info["segments"], flag, watchdog,
+                           first_row=lambda row: restart.note_first_row(run_dir, te, row))
     session._bind(state)
 
     def on_signal(signum: int) -> None:
