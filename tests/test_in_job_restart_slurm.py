@@ -1,0 +1,106 @@
+"""Restarts inside the job (cluster.in_job_restarts) on the real local Slurm cluster.
+
+A rank's error and, later in the same job, a hang are each restarted inside the
+allocation: one job id, SLURM_RESTART_COUNT 0, no requeue, the per-step losses of an
+uninterrupted run (bitwise: fp32 DDP on CPU). A rank that fails at the same step every
+time ends the run after two tries (the crash-loop guard), not cluster.in_job_restarts.
+A user's script is restarted too, and resumes by itself.
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import launcher, run_dir_of, submit_run, wait_until
+from spec.rundir import read_metrics, read_run_json
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+# 2 nodes x 1 rank, checkpoints at steps 3, 6, 9 (and the last).
+ARGS = ["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=1", "train.steps=12", "train.seq_len=32",
+        "data.num_tokens=50000", "checkpoint.every_steps=3"]
+
+
+def job_gone(job: str, env: dict) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout
+    return not out.strip()
+
+
+def sacct_states(job: str, env: dict) -> list:
+    """Every attempt's state (-D keeps requeued attempts), oldest first."""
+    return subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"], env=env,
+                          capture_output=True, text=True).stdout.split()
+
+
+def ended(job: str, run_dir: Path, env: dict, timeout: float = 300) -> dict:
+    """run.json once the job has left the queue (a restart's moment of ``restarting``
+    is not an end)."""
+    wait_until(lambda: job_gone(job, env), timeout, f"job {job} to leave the queue")
+    return read_run_json(run_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, slurm_cluster):
+    """The uninterrupted losses, on the same 2 x 1 layout."""
+    work = tmp_path_factory.mktemp("reference")
+    proc = launcher(ARGS + ["launcher.wait=true"], cwd=work, env=slurm_cluster, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir_of(proc.stdout))}
+
+
+def test_an_error_then_a_hang_are_restarted_inside_the_job(tmp_path, slurm_cluster, reference):
+    job, run_dir = submit_run(ARGS + ["fault.raise_at_step=7", "fault.raise_rank=1", "fault.hang_rank=0",
+                                      "fault.hang_at_step=10", "cluster.hang_timeout_s=10"], tmp_path, slurm_cluster)
+    info = ended(job, run_dir, slurm_cluster)
+    assert info["status"] == "completed", info
+    assert (info["job_id"], info["restart_count"], info["segments"]) == (job, 0, 3)
+    first, second = info["in_job_restarts"]
+    hosts = info["hostnames"]  # one per node, in rank order
+    assert (first["segment"], first["reason"], first["step"], first["rank"], first["node"]) == (0, "error", 7, 1,
+                                                                                                hosts[1])
+    assert "fault.raise_at_step=7: injected failure" in first["error"]
+    assert (second["segment"], second["reason"], second["step"], second["rank"], second["node"]) == (1, "hang", 10, 0,
+                                                                                                     hosts[0])
+    for restart in (first, second):
+        assert restart["job_id"] == job and restart["downtime_s"] > 0 and restart["seconds_lost"] > 0, restart
+    rows = read_metrics(run_dir)
+    assert [r["loss"] for r in rows] == [reference[r["step"]] for r in rows]  # every segment's rows, bitwise
+    assert {r["step"] for r in rows} == set(reference) and {r["segment"] for r in rows} == {0, 1, 2}
+    assert wait_until(lambda: sacct_states(job, slurm_cluster), 60, "accounting to record the end") == ["COMPLETED"]
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "resumed from step 6 (segment 1)" in log and "resumed from step 9 (segment 2)" in log
+
+
+def test_the_same_error_at_the_same_step_ends_the_run_after_two_tries(tmp_path, slurm_cluster):
+    job, run_dir = submit_run(ARGS + ["fault.raise_at_step=8", "fault.raise_rank=1", "fault.repeat=true"], tmp_path,
+                              slurm_cluster)
+    info = ended(job, run_dir, slurm_cluster)
+    assert info["status"] == "failed" and info["segments"] == 2 and info["restart_count"] == 0, info
+    assert len(info["in_job_restarts"]) == 1 and info["in_job_restart"].startswith("not restarted: crash loop")
+    assert "fault.raise_at_step=8: injected failure" in info["error"] and info["failed_rank"] == 1
+    assert wait_until(lambda: sacct_states(job, slurm_cluster), 60, "accounting to record the end") == ["FAILED"]
+
+
+USER_SCRIPT = """\
+import os
+import pathlib
+
+tries = pathlib.Path(os.environ["STO_RUN_DIR"]) / "tries"
+count = len(tries.read_text()) if tries.exists() else 0
+tries.write_text("x" * (count + 1))
+if count == 0:
+    raise RuntimeError("the first try fails")
+"""
+
+
+def test_a_users_script_is_restarted_inside_the_job(tmp_path, slurm_cluster):
+    script = tmp_path / "flaky.py"
+    script.write_text(USER_SCRIPT)
+    job, run_dir = submit_run(["+cluster=localslurm", "cluster.nodes=1", "cluster.gpus_per_node=1",
+                               f"entrypoint={script}"], tmp_path, slurm_cluster)
+    info = ended(job, run_dir, slurm_cluster)
+    assert info["status"] == "completed" and (run_dir / "tries").read_text() == "xx", info
+    [restart] = info["in_job_restarts"]
+    assert (restart["job_id"], restart["reason"], restart["rank"]) == (job, "error", 0)
+    assert "the first try fails" in restart["error"] and info["restart_count"] == 0
