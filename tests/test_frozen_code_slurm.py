@@ -19,7 +19,9 @@ from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-ARGS = ["+cluster=localslurm", "cluster.nodes=1", "cluster.gpus_per_node=1", "train.steps=12", "train.seq_len=32",
+# 30 steps of >= 0.5 s: the first job to train must still be training when the other (it
+# may start seconds later on a loaded machine) has trained 2 steps and both are signalled.
+ARGS = ["+cluster=localslurm", "cluster.nodes=1", "cluster.gpus_per_node=1", "train.steps=30", "train.seq_len=32",
         "data.num_tokens=50000", "fault.step_delay_s=0.5"]
 MARKER = """
 
