@@ -88,13 +88,15 @@ def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int
         fields["failure"] = exc.failure
     else:
         log.error("training failed: %s\n%s", exc, traceback.format_exc())
+        echo = is_comm_error(exc) and read_run_json(run_dir).get("failed_rank") is not None  # of a peer's error
         if not is_comm_error(exc):  # this rank's own error: the cause, not an echo of a peer's
             fields.update(failed_rank=rank, failed_node=socket.gethostname())
-        elif read_run_json(run_dir).get("failed_rank") is None:  # a peer died or the network broke: which?
+        elif not echo:  # a peer died or the network broke: find out which
             fields.update(classify_failure(run_dir, world_size, heartbeat_s))
             fields.update(slurmd_down(fields) if job else {})
             log.error("failure classified: %s", fields)
-        fields.update(hardware_fields(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", run_dir, fields))
+        if not echo:
+            fields.update(hardware_fields(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", run_dir, fields))
     if rank == 0 or failure_class(fields) is not None:  # rank 0 may be the one that died
         # A hang or a node's fault already recorded is the cause: a rank's error after it
         # (its peers' broken connections) must not replace it, nor undo a requeue for it.
