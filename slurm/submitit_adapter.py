@@ -9,6 +9,10 @@ submitit upgrade fails that test, not a job:
 - ``submitit.core.utils.DelayedSubmission``: the pickle the job side loads, written here for
   job-array elements (``dump``) with submitit's requeue budget (``set_timeout``).
 
+The step loop of restarts inside the job (:func:`in_job_restart_loop`) also relies on the
+srun line's last word being the job's folder, as submitit's executor writes it
+(``_submitit_command_str``; the dry run's :func:`submitit_command` is tested equal to it).
+
 What a task runs is a :class:`TaskCall`: a function named by ``"module:function"`` and its
 arguments, imported when the task calls it, so the login side never imports the compute side.
 """
