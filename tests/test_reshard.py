@@ -309,6 +309,7 @@ def test_the_conversion_job_is_one_cpu_task_on_the_runs_partition():
     runs it): one node, one task with the node's CPUs, no GPU, no requeue."""
     from helpers import compose_run
     from launcher.submit import conversion_parameters, slurm_parameters
+    from slurm import submitit_adapter
     from spec.layout import build_layout
 
     cfg = compose_run(["+cluster=a100x8", "cluster.nodes=4", "+strategy=zero3", "cluster.cpus_per_task=12"])
@@ -316,5 +317,8 @@ def test_the_conversion_job_is_one_cpu_task_on_the_runs_partition():
     assert job["gpus_per_node"] == 8 and job["additional_parameters"]["requeue"] and "teardown" in job
     assert (conv["nodes"], conv["ntasks_per_node"], conv["cpus_per_task"]) == (1, 1, 96)
     assert "gpus_per_node" not in conv and "teardown" not in conv and "requeue" not in conv["additional_parameters"]
-    assert conv["partition"] == job["partition"] and conv["setup"] == job["setup"] and conv["time"] == job["time"]
+    # the profile's setup lines, without the training step's restart loop (a conversion runs once)
+    loop = submitit_adapter.in_job_restart_loop(cfg.cluster.in_job_restarts)
+    assert loop and job["setup"] == conv["setup"] + loop
+    assert conv["partition"] == job["partition"] and conv["time"] == job["time"]
     assert conv["job_name"] == job["job_name"] + "-convert"
