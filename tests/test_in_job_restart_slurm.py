@@ -33,6 +33,14 @@ def sacct_states(job: str, env: dict) -> list:
                           capture_output=True, text=True).stdout.split()
 
 
+def final_states(job: str, env: dict) -> list:
+    """sacct's states once it records the end (the job leaves squeue before its end reaches
+    slurmdbd: seen RUNNING there after run.json said completed)."""
+    active = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING")
+    return wait_until(lambda: (lambda states: states if states and states[-1] not in active else None)(
+        sacct_states(job, env)), 60, "accounting to record the end")
+
+
 def ended(job: str, run_dir: Path, env: dict, timeout: float = 300) -> dict:
     """run.json once the job has left the queue (a restart's moment of ``restarting``
     is not an end)."""
@@ -67,7 +75,7 @@ def test_an_error_then_a_hang_are_restarted_inside_the_job(tmp_path, slurm_clust
     rows = read_metrics(run_dir)
     assert [r["loss"] for r in rows] == [reference[r["step"]] for r in rows]  # every segment's rows, bitwise
     assert {r["step"] for r in rows} == set(reference) and {r["segment"] for r in rows} == {0, 1, 2}
-    assert wait_until(lambda: sacct_states(job, slurm_cluster), 60, "accounting to record the end") == ["COMPLETED"]
+    assert final_states(job, slurm_cluster) == ["COMPLETED"]
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert "resumed from step 6 (segment 1)" in log and "resumed from step 9 (segment 2)" in log
 
@@ -79,7 +87,7 @@ def test_the_same_error_at_the_same_step_ends_the_run_after_two_tries(tmp_path, 
     assert info["status"] == "failed" and info["segments"] == 2 and info["restart_count"] == 0, info
     assert len(info["in_job_restarts"]) == 1 and info["in_job_restart"].startswith("not restarted: crash loop")
     assert "fault.raise_at_step=8: injected failure" in info["error"] and info["failed_rank"] == 1
-    assert wait_until(lambda: sacct_states(job, slurm_cluster), 60, "accounting to record the end") == ["FAILED"]
+    assert final_states(job, slurm_cluster) == ["FAILED"]
 
 
 USER_SCRIPT = """\

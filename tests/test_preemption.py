@@ -128,7 +128,9 @@ def test_a_failing_run_is_not_requeued(tmp_path, slurm_cluster):
     wait_until(lambda: job_gone(job, slurm_cluster), 60, "the failed job to leave the queue")
     time.sleep(8)  # longer than cred_expire: a requeued job would be back by now
     assert job_gone(job, slurm_cluster)
-    assert wait_until(lambda: sacct_states(job, slurm_cluster), 60, "accounting to record the end") == ["FAILED"]
+    ended = wait_until(lambda: (lambda states: states if states and states[-1] not in ("RUNNING", "COMPLETING")
+                                 else None)(sacct_states(job, slurm_cluster)), 60, "accounting to record the end")
+    assert ended == ["FAILED"]  # the job left squeue before its end reached slurmdbd: RUNNING there a while
     info = read_run_json(run_dir)
     assert "fault.raise_at_step=5: injected failure" in info["error"]
     assert info["segments"] == 1 and not info.get("preemptions") and not info.get("timeouts")
