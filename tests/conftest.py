@@ -73,6 +73,25 @@ def submit_run(args: List[str], cwd: Path, env: dict, repo: Path = REPO) -> tupl
     return job, run_dir_of(proc.stdout)
 
 
+def job_gone(job: str, env: dict) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout
+    return not out.strip()
+
+
+def sacct_states(job: str, env: dict) -> list:
+    """Every attempt's state (-D keeps requeued attempts), oldest first."""
+    return subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"], env=env,
+                          capture_output=True, text=True).stdout.split()
+
+
+def final_states(job: str, env: dict) -> list:
+    """sacct's states once it records the job's end (the job leaves squeue before its end
+    reaches slurmdbd: seen RUNNING there after run.json said completed)."""
+    active = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING")
+    return wait_until(lambda: (lambda states: states if states and states[-1] not in active else None)(
+        sacct_states(job, env)), 60, "accounting to record the end")
+
+
 def eligible_nodes(env: dict) -> list:
     """The debug partition's nodes this run's jobs may use (those with SBATCH_CONSTRAINT's
     feature when the suite confines the run to a pair)."""

@@ -8,37 +8,17 @@ A user's script is restarted too, and resumes by itself.
 """
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import launcher, run_dir_of, submit_run, wait_until
+from conftest import final_states, job_gone, launcher, run_dir_of, submit_run, wait_until
 from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 # 2 nodes x 1 rank, checkpoints at steps 3, 6, 9 (and the last).
 ARGS = ["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=1", "train.steps=12", "train.seq_len=32",
         "data.num_tokens=50000", "checkpoint.every_steps=3"]
-
-
-def job_gone(job: str, env: dict) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout
-    return not out.strip()
-
-
-def sacct_states(job: str, env: dict) -> list:
-    """Every attempt's state (-D keeps requeued attempts), oldest first."""
-    return subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"], env=env,
-                          capture_output=True, text=True).stdout.split()
-
-
-def final_states(job: str, env: dict) -> list:
-    """sacct's states once it records the end (the job leaves squeue before its end reaches
-    slurmdbd: seen RUNNING there after run.json said completed)."""
-    active = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING")
-    return wait_until(lambda: (lambda states: states if states and states[-1] not in active else None)(
-        sacct_states(job, env)), 60, "accounting to record the end")
 
 
 def ended(job: str, run_dir: Path, env: dict, timeout: float = 300) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launcher, run_dir_of, submit_run, wait_until
+from conftest import final_states, job_gone, launcher, run_dir_of, submit_run, wait_until
 from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -37,17 +37,6 @@ def steps_logged(run_dir: Path) -> int:
 def final_status(run_dir: Path, statuses=("completed", "stopped", "failed")):
     status = read_run_json(run_dir).get("status")
     return status if status in statuses else None
-
-
-def sacct_states(job: str, env: dict) -> list:
-    """Every attempt's state (-D keeps requeued attempts), oldest first."""
-    return subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"], env=env,
-                          capture_output=True, text=True).stdout.split()
-
-
-def job_gone(job: str, env: dict) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout
-    return not out.strip()
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +76,7 @@ def test_partition_preemption_requeues_and_resumes(tmp_path, slurm_cluster, refe
     info = read_run_json(run_dir)
     assert info["preemptions"] >= 1 and info["segments"] >= 2
     assert by_step(run_dir) == reference
-    acct = wait_until(lambda: (lambda states: states if states and states[-1] != "RUNNING" else None)(
-        sacct_states(job, slurm_cluster)), 60, "accounting to record the end")
+    acct = final_states(job, slurm_cluster)
     assert acct[-1] == "COMPLETED" and any(s in ("PREEMPTED", "REQUEUED") for s in acct[:-1]), acct
 
 
@@ -128,9 +116,7 @@ def test_a_failing_run_is_not_requeued(tmp_path, slurm_cluster):
     wait_until(lambda: job_gone(job, slurm_cluster), 60, "the failed job to leave the queue")
     time.sleep(8)  # longer than cred_expire: a requeued job would be back by now
     assert job_gone(job, slurm_cluster)
-    ended = wait_until(lambda: (lambda states: states if states and states[-1] not in ("RUNNING", "COMPLETING")
-                                 else None)(sacct_states(job, slurm_cluster)), 60, "accounting to record the end")
-    assert ended == ["FAILED"]  # the job left squeue before its end reached slurmdbd: RUNNING there a while
+    assert final_states(job, slurm_cluster) == ["FAILED"]
     info = read_run_json(run_dir)
     assert "fault.raise_at_step=5: injected failure" in info["error"]
     assert info["segments"] == 1 and not info.get("preemptions") and not info.get("timeouts")

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, eligible_nodes, submit_run, wait_until
+from conftest import REPO, eligible_nodes, job_gone, submit_run, wait_until
 from spec.rundir import read_metrics, read_run_json
 from test_reshard import assert_every_sample_once
 
@@ -21,11 +21,6 @@ STEPS = 16
 ARGS = ["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=2", "+strategy=fsdp", f"train.steps={STEPS}",
         "train.seq_len=32", "data.num_tokens=50000", "fault.trace_samples=true", "fault.step_delay_s=0.4",
         "cluster.max_requeues=0"]
-
-
-def job_gone(job: str, env: dict) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout
-    return not out.strip()
 
 
 def test_preempted_on_2_nodes_resumed_on_1(tmp_path, slurm_cluster):
