@@ -396,10 +396,12 @@ def test_own_config_directory_in_a_sweep_and_its_errors(tmp_path, team_conf):
 
 KEEP = """
 import gc, sys
+from train.harness.groups import KEPT, keep_destroyed_groups
+keep_destroyed_groups()  # before the code imports torch: the wrap waits for its import
+assert "torch" not in sys.modules
 import torch, torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from train.harness.groups import KEPT, keep_destroyed_groups
-keep_destroyed_groups()
+assert getattr(dist.destroy_process_group, "keeps_groups", False)
 keep_destroyed_groups()  # once per process
 for attempt in range(2):  # a group can be made again after one was destroyed
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}.{attempt}", rank=0, world_size=1)

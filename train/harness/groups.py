@@ -14,17 +14,53 @@ limit.
 groups it destroys stay referenced here: the code's own references then never hold the
 last one. They are released at exit (atexit: the interpreter still whole, the workers long
 idle), from Python, whose binding lets the GIL go first.
+
+A user's code that never imports torch (a script of its own, a test's trivial job) does not
+pay for importing it here (~2.5 s of CPU a task): the wrap then waits for the code's own
+import of ``torch.distributed``.
 """
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import sys
 from typing import Any, List
 
 KEPT: List[Any] = []  # the destroyed groups, until exit
 
 
 def keep_destroyed_groups() -> None:
-    """Wrap ``destroy_process_group`` (once per process) before a user's code runs."""
+    """Wrap ``destroy_process_group`` (once per process) before a user's code runs: now if
+    ``torch.distributed`` is imported, otherwise as soon as it is."""
+    if "torch.distributed" in sys.modules:
+        _wrap()
+    elif not any(isinstance(finder, _WrapOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _WrapOnImport())
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: hands ``torch.distributed``'s spec on with a loader that wraps
+    ``destroy_process_group`` once the package has run (its ``__init__`` binds the name)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch.distributed":
+            return None
+        sys.meta_path.remove(self)  # once, and the finders below answer
+        for finder in sys.meta_path:
+            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                run = spec.loader.exec_module
+
+                def exec_module(module, run=run):
+                    run(module)
+                    _wrap()
+
+                spec.loader.exec_module = exec_module  # this spec's own loader instance
+                return spec
+        return None
+
+
+def _wrap() -> None:
     import atexit
 
     import torch.distributed as dist
