@@ -21,6 +21,9 @@ if not GPU_TESTS:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 REPO = Path(__file__).resolve().parent.parent
+# A user's script that logs one step and imports no torch: for Slurm tests of what is not
+# training (sweeps, arrays, quoting, status): a job of it costs ~1 CPU-s, a trainer's rank ~8.
+ONE_STEP = REPO / "tests" / "fixtures" / "one_step.py"
 
 
 def pytest_runtest_setup(item):
@@ -163,3 +166,43 @@ def pytest_collection_modifyitems(config, items):
     mine = set(shard_files(weights, n)[k - 1])
     config.hook.pytest_deselected(items=[i for i in items if i.nodeid.split("::", 1)[0] not in mine])
     items[:] = [i for i in items if i.nodeid.split("::", 1)[0] in mine]
+
+
+# --- STO_TEST_CPU=FILE: CPU seconds of each test, appended as JSON lines -------------------
+# The suite is CPU-bound on CI's 2 cores, so its budget is CPU, not wall (a loaded machine
+# stretches wall, not CPU). Counted: this process, its reaped subprocesses, and the warm
+# server with the forks it reaped (tests/warm.py). Not counted: Slurm jobs (sacct has them).
+
+def _cpu_now() -> float:
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        use = resource.getrusage(who)
+        total += use.ru_utime + use.ru_stime
+    import warm
+
+    server = warm._server
+    if server is not None and server.poll() is None:
+        try:
+            fields = Path(f"/proc/{server.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    out = os.environ.get("STO_TEST_CPU")
+    if not out:
+        yield
+        return
+    import json
+    import time
+
+    cpu, wall = _cpu_now(), time.monotonic()
+    yield
+    row = {"test": item.nodeid, "cpu_s": round(_cpu_now() - cpu, 2), "wall_s": round(time.monotonic() - wall, 2)}
+    with open(out, "a") as f:
+        f.write(json.dumps(row) + "\n")

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import launcher, run_dir_of
+from conftest import ONE_STEP, final_states, launcher, run_dir_of
 from helpers import strategy_options
 from spec.rundir import read_metrics, read_run_json
 
@@ -87,7 +87,8 @@ def test_every_strategy_runs_on_two_nodes(tmp_path, slurm_cluster):
 
 
 def test_sweep_submits_one_job_per_point_without_waiting(tmp_path, slurm_cluster):
-    proc = launcher(["+cluster=localslurm", "cluster.nodes=1,2", "train.steps=3", "-m"], cwd=tmp_path,
+    # a trivial user script (no torch): what is under test is the sweep, not training
+    proc = launcher(["+cluster=localslurm", "cluster.nodes=1,2", f"entrypoint={ONE_STEP}", "-m"], cwd=tmp_path,
                     env=slurm_cluster, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     jobs = [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("submitted job")]
@@ -100,7 +101,7 @@ def test_sweep_submits_one_job_per_point_without_waiting(tmp_path, slurm_cluster
 
 
 def test_rerun_of_a_completed_run_submits_nothing(tmp_path, slurm_cluster):
-    args = ["+cluster=localslurm", "cluster.nodes=1", "train.steps=2", "launcher.wait=true"]
+    args = ["+cluster=localslurm", "cluster.nodes=1", f"entrypoint={ONE_STEP}", "launcher.wait=true"]
     first = launcher(args, cwd=tmp_path, env=slurm_cluster, timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
     again = launcher(args, cwd=tmp_path, env=slurm_cluster, timeout=60)
@@ -111,13 +112,16 @@ def test_rerun_of_a_completed_run_submits_nothing(tmp_path, slurm_cluster):
 def test_hostile_names_reach_the_job_quoted(tmp_path, slurm_cluster):
     run_dir = tmp_path / "it's a $(touch pwned); x"
     quoted = str(run_dir).replace("'", "\\'")  # Hydra's escape for a quote inside a quoted value
-    proc = launcher(["+cluster=localslurm", "cluster.nodes=1", "train.steps=2", f"launcher.run_dir='{quoted}'",
+    proc = launcher(["+cluster=localslurm", "cluster.nodes=1", f"entrypoint={ONE_STEP}", f"launcher.run_dir='{quoted}'",
                      "launcher.job_name='a b;$(touch pwned2)'", "+cluster.env.WEIRD='x \"y\" $(touch pwned3)'",
                      "launcher.wait=true"], cwd=tmp_path, env=slurm_cluster, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert read_run_json(run_dir)["status"] == "completed"
     assert not list(tmp_path.rglob("pwned*")) and not list(run_dir.rglob("pwned*"))
     job = read_run_json(run_dir)["job_id"]
+    # once sacct has the job's end: until its start record reaches slurmdbd, a job that a
+    # step's record created there is named "allocation" (seen with this 1-second job)
+    assert final_states(job, slurm_cluster)[-1] == "COMPLETED"
     name = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "JobName"], env=slurm_cluster,
                           capture_output=True, text=True).stdout.split("\n")[0]
     assert name == "a b;$(touch pwned2)"

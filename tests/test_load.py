@@ -7,7 +7,7 @@ import csv
 
 import pytest
 
-from conftest import REPO, launcher
+from conftest import ONE_STEP, launcher
 from test_sweep_slurm import module, sacct_states, sweep_dir_of
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -19,7 +19,7 @@ def test_hundred_point_sweep_none_lost(tmp_path, slurm_cluster):
     # trivial jobs: one task of a user's script that logs one step and imports no torch (the
     # built-in trainer's import of torch cost ~3 s of CPU a job, 5 CPU-minutes a sweep)
     proc = launcher(["+cluster=localslurm", "cluster.nodes=1", "cluster.gpus_per_node=1",
-                     f"entrypoint={REPO / 'tests' / 'fixtures' / 'one_step.py'}", f"+user.point=range({POINTS})",
+                     f"entrypoint={ONE_STEP}", f"+user.point=range({POINTS})",
                      "-m"], cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sweep = sweep_dir_of(proc)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, launcher
+from conftest import ONE_STEP, REPO, launcher
 from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -101,10 +101,11 @@ def test_identical_points_are_one_array_and_requeueing_one_element_leaves_the_ot
 
 def test_points_of_other_sizes_are_other_jobs(tmp_path, slurm_cluster):
     env = slurm_cluster
-    grid = launcher(["+cluster=localslurm", "cluster.nodes=1,2", "train.seed=1,2", "train.steps=2", "-m"],
+    # a trivial user script (no torch): what is under test is how points become jobs
+    grid = launcher(["+cluster=localslurm", "cluster.nodes=1,2", "train.seed=1,2", f"entrypoint={ONE_STEP}", "-m"],
                     cwd=tmp_path, env=env, timeout=120)
-    plain = launcher(["+cluster=localslurm", "cluster.nodes=1,2", "train.steps=2", "-m"], cwd=tmp_path, env=env,
-                     timeout=120)
+    plain = launcher(["+cluster=localslurm", "cluster.nodes=1,2", f"entrypoint={ONE_STEP}", "-m"], cwd=tmp_path,
+                     env=env, timeout=120)
     for proc in (grid, plain):
         assert proc.returncode == 0, proc.stdout + proc.stderr
     grid_points, plain_points = submitted(grid), submitted(plain)
@@ -127,8 +128,8 @@ def test_invalid_points_are_skipped_with_their_reason_and_the_rest_submitted(tmp
     env = slurm_cluster
     # Points (nodes, seed): (1,1) (1,2) valid; (1,oops) does not compose; (9,*) exceeds the
     # 4 nodes of partition debug.
-    proc = launcher(["+cluster=localslurm", "cluster.nodes=1,9", "train.seed=1,2,oops", "train.steps=2", "-m"],
-                    cwd=tmp_path, env=env, timeout=120)
+    proc = launcher(["+cluster=localslurm", "cluster.nodes=1,9", "train.seed=1,2,oops", f"entrypoint={ONE_STEP}",
+                     "-m"], cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     points = submitted(proc)
     assert [d.name for _, d in points] == ["0", "1"] and len({job.split("_")[0] for job, _ in points}) == 1
