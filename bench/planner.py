@@ -212,6 +212,22 @@ def predicted_saved(cfg, layout, mem) -> float:
     return micro * max(first * saved, last * (saved + head - e * m.vocab_size)) + casts
 
 
+def row_of(name: str, world: int, prec: str, cfg, layout, mem, ranks: list, seconds: float) -> dict:
+    """One row of the table: what the ranks measured (:func:`measure`'s list) beside the
+    planner's prediction ``mem`` (launcher.plan.memory.estimate), and their ratios."""
+    row = dict(strategy=name, ranks=world, precision=prec,
+               measured_state_bytes=max(r["states"] for r in ranks),
+               predicted_state_bytes=mem.model_state_bytes + mem.cpu_bytes,
+               measured_activation_bytes=max(r["saved"] for r in ranks),
+               predicted_activation_bytes=predicted_saved(cfg, layout, mem),
+               measured_peak_bytes=max(r["peak"] for r in ranks), predicted_peak_bytes=mem.total_bytes + mem.cpu_bytes
+               + (DS_CPU_SHM if cfg.strategy.engine == "deepspeed" else 0), seconds=seconds)
+    row["state_ratio"] = row["measured_state_bytes"] / row["predicted_state_bytes"]
+    row["activation_ratio"] = row["measured_activation_bytes"] / row["predicted_activation_bytes"]
+    row["peak_ratio"] = row["measured_peak_bytes"] / row["predicted_peak_bytes"]
+    return row
+
+
 def main() -> None:
     from launcher.plan.memory import estimate
     from launcher.overrides import group_options
@@ -250,18 +266,8 @@ def main() -> None:
                 except Exception as exc:  # a strategy that fails here is reported, the rest still run
                     print(f"{name:<15}{world:>5}{prec:>6}  failed: {str(exc).strip().splitlines()[-1][:200]}")
                     continue
-                states = max(r["states"] for r in ranks)
-                peak = max(r["peak"] for r in ranks)
-                row = dict(strategy=name, ranks=world, precision=prec, measured_state_bytes=states,
-                           predicted_state_bytes=mem.model_state_bytes + mem.cpu_bytes,
-                           measured_activation_bytes=max(r["saved"] for r in ranks),
-                           predicted_activation_bytes=predicted_saved(cfg, layout, mem),
-                           measured_peak_bytes=peak, predicted_peak_bytes=mem.total_bytes + mem.cpu_bytes
-                           + (DS_CPU_SHM if cfg.strategy.engine == "deepspeed" else 0),
-                           seconds=round(time.time() - t0, 1))
-                row["state_ratio"] = row["measured_state_bytes"] / row["predicted_state_bytes"]
-                row["activation_ratio"] = row["measured_activation_bytes"] / row["predicted_activation_bytes"]
-                row["peak_ratio"] = row["measured_peak_bytes"] / row["predicted_peak_bytes"]
+                row = row_of(name, world, prec, cfg, layout, mem, ranks, seconds=round(time.time() - t0, 1))
+                states, peak = row["measured_state_bytes"], row["measured_peak_bytes"]
                 if args.json:
                     print(json.dumps(row), flush=True)
                     continue
