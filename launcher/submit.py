@@ -132,7 +132,7 @@ def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = No
         gpu, extra, srun_gpu = sbatch.gpu_binding(c.gpu_binding, c.gpus_per_node, c.nodes)
     params = _job_parameters(cfg, cfg.launcher.job_name or default_job_name(cfg), c.nodes, c.gpus_per_node,
                              c.task_cpus(), srun_gpu, code)
-    params.update(gpu, setup=params["setup"] + submitit_adapter.in_job_restart_loop(c.in_job_restarts),
+    params.update(gpu, setup=params["setup"] + submitit_adapter.step_loop(c.in_job_restarts, _task_python(code)[0]),
                   teardown=submitit_adapter.requeue_if_signalled(c.max_requeues))
     params["additional_parameters"] = {"requeue": True, **extra, **params["additional_parameters"]}
     return params
@@ -141,10 +141,11 @@ def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = No
 def _job_parameters(cfg: RunConfig, job_name: str, nodes: int, tasks_per_node: int, cpus_per_task: int,
                     srun_gpu: List[str], code: Optional[Frozen] = None) -> Dict[str, Any]:
     """What every job of a run shares (training and conversion): name, shape, time, the
-    site's options, the environment (the frozen code's PYTHONPATH last, so it comes
-    first), the srun line, and no submitit wckey."""
+    site's options, Slurm's client as found after the site's setup (before cluster.env,
+    which may hide it from the tasks), the environment (the frozen code's PYTHONPATH last,
+    so it comes first), the srun line, and no submitit wckey."""
     c = cfg.cluster
-    setup = list(c.setup)
+    setup = list(c.setup) + submitit_adapter.slurm_client_lines()
     try:
         setup += sbatch.export_lines(c.env)
     except ValueError as exc:

@@ -1,6 +1,8 @@
-"""Every call of a Slurm command the project makes (sbatch, squeue, sacct, scontrol,
-scancel, sinfo), batched where many jobs are asked about at once. srun runs only inside
-the batch scripts that submitit renders (:mod:`slurm.submitit_adapter`).
+"""Every call of a Slurm command the project makes from Python (sbatch, squeue, sacct,
+scontrol, scancel, sinfo), batched where many jobs are asked about at once. srun, and
+every call about a job from inside it (requeue, exclusion, cancel, its time limit), run
+only in the batch scripts that submitit renders (:mod:`slurm.submitit_adapter`,
+:mod:`slurm.request`): a job's tasks call no Slurm client.
 
 Every call goes through :func:`_run`, so tests can count (or fake) the Slurm commands
 a reader issues by replacing that one function.
@@ -10,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional
 
 SACCT_FIELDS = ("JobID", "State", "NNodes", "NodeList", "ExitCode", "Partition", "Elapsed")
 # What status and report need from every segment of a job (one row per requeue with -D);
@@ -145,8 +147,9 @@ def scancel(job_ids: Iterable[str], env: Optional[Dict[str, str]] = None) -> Non
     """Cancel many jobs for good: one ``scontrol update Requeue=0`` and one scancel call.
 
     scancel's SIGTERM reaches the trainer's preemption path (train.harness.preempt), which saves
-    and runs ``scontrol requeue``; Slurm requeues even a cancelled batch job, so without
-    disabling requeue first a cancelled point would come back and run to the end.
+    and may have its batch script run ``scontrol requeue`` (slurm/request.py); Slurm requeues
+    even a cancelled batch job, so without disabling requeue first a cancelled point would
+    come back and run to the end.
     """
     ids = sorted({str(j) for j in job_ids})
     if not ids:
@@ -171,32 +174,6 @@ def sbatch(script: str, env: Optional[Dict[str, str]] = None) -> str:
     return _run(["sbatch", "--parsable", script], env=env).strip().split(";")[0]
 
 
-def time_left(job_id: str, timeout: float = 15) -> Optional[str]:
-    """squeue's time left of a job (``[days-]h:m:s``), or None when Slurm does not answer."""
-    try:
-        return _run(["squeue", "-h", "-j", job_id, "-o", "%L"], timeout=timeout).strip()
-    except (SlurmUnavailable, OSError):
-        return None
-
-
-def requeue(job_id: str) -> Optional[str]:
-    """``scontrol requeue``: None on success, else Slurm's error text (the job's own ranks
-    call it, so a failure is reported, not raised)."""
-    try:
-        _run(["scontrol", "requeue", job_id])
-    except (SlurmUnavailable, OSError) as exc:
-        return str(exc)
-    return None
-
-
-def cancel(job_id: str) -> None:
-    """scancel one job from inside it, best effort (the job is ending anyway)."""
-    try:
-        _run(["scancel", job_id])
-    except (SlurmUnavailable, OSError):
-        pass
-
-
 def slurm_env(slurm_conf: Optional[str]) -> Dict[str, str]:
     env = dict(os.environ)
     if slurm_conf:
@@ -208,46 +185,9 @@ def slurm_env(slurm_conf: Optional[str]) -> Dict[str, str]:
 UNUSABLE_STATES = ("down", "drain", "drng", "fail", "maint", "futr", "inval", "npc", "pow")
 
 
-def _shielded(cmd: List[str]) -> List[str]:
-    """``cmd`` started with SIGTERM ignored: a job's own task that requeues the job gets
-    SIGTERM from that requeue while its next scontrol call still has to run (the
-    disposition survives exec; SIGKILL follows only after KillWait)."""
-    return ["/bin/sh", "-c", 'trap "" TERM; exec "$@"', "sh", *cmd]
-
-
-def requeue_excluding(job_id: str, exclude: Iterable[str]) -> Tuple[bool, Optional[str]]:
-    """Requeue a running job from inside it with ``exclude`` as its ExcNodeList:
-    (requeued, error): (True, None) when all went well; (True, why) when the job was
-    requeued without the exclusion; (False, why) when it was not requeued.
-
-    Slurm 22.05 refuses ``scontrol update ExcNodeList`` on a running job ("Job is no
-    longer pending execution") and accepts it on a job requeued in held state, even
-    while it is still COMPLETING: hold-requeue, update, release (seen taking about 50 ms
-    in all, done before the requeue's SIGTERM reached the caller). A failed update still
-    releases the job, so it never stays held."""
-    try:
-        _run(_shielded(["scontrol", "requeuehold", job_id]))
-    except (SlurmUnavailable, OSError) as exc:
-        return False, str(exc)
-    error = None
-    try:
-        _run(_shielded(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(sorted(exclude))}"]))
-    except (SlurmUnavailable, OSError) as exc:
-        error = f"requeued without the exclusion: {exc}"
-    try:
-        _run(_shielded(["scontrol", "release", job_id]))
-    except (SlurmUnavailable, OSError) as exc:
-        return True, f"{error + '; ' if error else ''}job left held: `scontrol release {job_id}` failed: {exc}"
-    return True, error
-
-
-def job_fields(job_id: str) -> Dict[str, str]:
-    """``scontrol show job -o``'s KEY=VALUE fields of one job (empty when Slurm does not
-    answer). Values with spaces (Command, Reason) may be cut: read plain fields only."""
-    try:
-        out = _run(["scontrol", "show", "job", "-o", job_id], timeout=15)
-    except (SlurmUnavailable, OSError):
-        return {}
+def parse_job_fields(out: str) -> Dict[str, str]:
+    """``scontrol show job -o``'s KEY=VALUE fields of one job (the first of each key).
+    Values with spaces (Command, Reason) may be cut: read plain fields only. Pure."""
     fields: Dict[str, str] = {}
     for token in out.split():
         key, sep, value = token.partition("=")
@@ -256,10 +196,10 @@ def job_fields(job_id: str) -> Dict[str, str]:
     return fields
 
 
-def usable_nodes(partition: str, env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """Node -> its features (sinfo %f) for every node of ``partition`` (comma-separated
-    partitions allowed) whose state lets a job run there (not down, drained, failed...)."""
-    out = _run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t|%f"], env=env)
+def parse_usable_nodes(out: str) -> Dict[str, str]:
+    """Node -> its features from ``sinfo -h -N -o '%N|%t|%f'`` lines (other lines
+    ignored), for the nodes whose state lets a job run there (not down, drained,
+    failed...). Pure."""
     nodes: Dict[str, str] = {}
     for line in out.splitlines():
         parts = line.strip().split("|")
@@ -270,7 +210,8 @@ def usable_nodes(partition: str, env: Optional[Dict[str, str]] = None) -> Dict[s
 
 def unresponsive_nodes(nodes: Iterable[str], env: Optional[Dict[str, str]] = None) -> List[str]:
     """Those of ``nodes`` whose slurmd Slurm sees as down or not responding (sinfo's
-    ``*`` suffix), or that are failing or drained; empty when Slurm does not answer."""
+    ``*`` suffix), or that are failing or drained; empty when Slurm does not answer (or a
+    task has no sinfo: this is a refinement, train.harness.outcome.slurmd_down)."""
     names = sorted(set(nodes))
     if not names:
         return []

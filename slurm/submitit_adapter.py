@@ -9,8 +9,8 @@ submitit upgrade fails that test, not a job:
 - ``submitit.core.utils.DelayedSubmission``: the pickle the job side loads, written here for
   job-array elements (``dump``) with submitit's requeue budget (``set_timeout``).
 
-The step loop of restarts inside the job (:func:`in_job_restart_loop`) also relies on the
-srun line's last word being the job's folder, as submitit's executor writes it
+The step function of the batch script (:func:`step_loop`) also relies on the srun line's
+last word being the job's folder, as submitit's executor writes it
 (``_submitit_command_str``; the dry run's :func:`submitit_command` is tested equal to it).
 
 What a task runs is a :class:`TaskCall`: a function named by ``"module:function"`` and its
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from spec.rundir import RESTART
+from spec.rundir import RESTART, SLURM_JOB, SLURM_REQUEST
 
 
 # Targets that moved, as jobs queued before the move pickled them: a job requeued (or
@@ -57,57 +57,116 @@ class TaskCall:
         return DelayedSubmission(self)
 
 
+# The batch script's first lines after the site's setup (cluster.setup), before cluster.env
+# (which may set the tasks' PATH to one without Slurm's client, as a container's is):
+# `sto_slurm CMD ARGS` runs Slurm's CMD as found on the PATH of that moment (every job).
+_SLURM_CLIENT = """\
+sto_slurm_path=$PATH  # Slurm's client as found before cluster.env: the tasks need none (slurm/request.py)
+sto_slurm() { local cmd; cmd=$(PATH=$sto_slurm_path; type -P "$1") || cmd=$1; shift; command "$cmd" "$@"; }"""
+
+
+def slurm_client_lines() -> list[str]:
+    """Setup lines that keep Slurm's client at hand for the batch script itself."""
+    return _SLURM_CLIENT.splitlines()
+
+
 # Lines after srun in the batch script: a step whose tasks died of the warning signal
 # (srun exits 128 + 12 = 140) before any handler existed, as Python started, is requeued
 # while requeues are left, rather than ending FAILED (Slurm may send --signal's warning up
 # to 60 s early, so it can come during start-up).
 _REQUEUE_IF_SIGNALLED = """\
 code=$?
-job_id=${{SLURM_ARRAY_JOB_ID:+${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}}}
-job_id=${{job_id:-$SLURM_JOB_ID}}
 if [ "$code" -eq 140 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_requeues} ]; then
-  echo "a step died of the warning signal (USR2) before its handler: requeueing job $job_id" >&2
-  scontrol requeue "$job_id" && exit 0
+  echo "a step died of the warning signal (USR2) before its handler: requeueing job $sto_job" >&2
+  sto_slurm scontrol requeue "$sto_job" && exit 0
 fi
 exit $code"""
 
 
 def requeue_if_signalled(max_requeues: int) -> list[str]:
-    """The batch script's teardown lines (submitit's ``teardown`` parameter)."""
+    """The batch script's teardown lines (submitit's ``teardown`` parameter; after
+    :func:`step_loop`'s lines, whose ``sto_job`` they use)."""
     return _REQUEUE_IF_SIGNALLED.format(max_requeues=int(max_requeues)).splitlines()
 
 
-# The step loop of restarts inside the job (cluster.in_job_restarts; the tasks' side:
-# train/harness/restart.py). The last setup lines define `srun` as a function, so the srun
-# line submitit writes after them (its last argument: the job's submitit folder,
-# RUN_DIR/slurm, or SWEEP/.arrays/UID/%a for an element of a job array) runs the step again
-# while the step that ended left RUN_DIR/RESTART (a task's request: its failure is one to
-# restart) and restarts are left. srun returns once every task of the step has ended, so
-# the old step's processes are gone when the next starts; STO_IN_JOB_RESTART numbers the
-# starts (slurm.env.in_job_restart: the rendezvous port follows it). The teardown sees the
-# last step's exit status.
-_IN_JOB_RESTART_LOOP = """srun() {{
-  local folder="${{@: -1}}" code i=0
-  local mark="${{folder//%a/$SLURM_ARRAY_TASK_ID}}/../{mark}"
+# The training step. The last setup lines define `srun` as a function, so the srun line
+# submitit writes after them (its last argument: the job's submitit folder, RUN_DIR/slurm,
+# or SWEEP/.arrays/UID/%a for an element of a job array, a link to RUN_DIR/slurm) runs
+# through it. It
+# 1. writes RUN_DIR/slurm_job.txt once (the job's fields with EndTime in epoch seconds,
+#    its partition's nodes: the tasks' time left and room for an exclusion);
+# 2. runs the step in the background and, every second while it runs and once after it,
+#    does what a task asked in RUN_DIR/SLURM_REQUEST (slurm/request.py: requeue, requeue
+#    without nodes, cancel; taken by a rename, so done once): the tasks call no Slurm
+#    client, and a dead node's step (srun waits for it until Slurm declares it DOWN) is
+#    requeued at once. A request done ends the script: Slurm requeues or ends the job;
+# 3. starts the step again while it left RUN_DIR/RESTART (a task's request: its failure
+#    is one to restart; train/harness/restart.py) and restarts are left. srun returns
+#    once every task of the step has ended, so the old step's processes are gone when the
+#    next starts; STO_IN_JOB_RESTART numbers the starts (slurm.env.in_job_restart: the
+#    rendezvous port follows it; unset for cluster.in_job_restarts=0: nothing restarts).
+#    The teardown sees the last step's exit status.
+# `wait -n` (bash >= 4.3) wakes at the step's end or after a second, whichever is first.
+_STEP_LOOP = """\
+sto_job=${{SLURM_ARRAY_JOB_ID:+${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}}}
+sto_job=${{sto_job:-$SLURM_JOB_ID}}
+sto_failed() {{
+  echo "job $sto_job: scontrol $2 failed: $3" >&2
+  {python} -m slurm.request failed "$@" || echo "job $sto_job: not recorded in run.json" >&2
+}}
+sto_request() {{
+  local taken="$1/.{request}.taken" action nodes reason out
+  [ -e "$1/{request}" ] && mv -f "$1/{request}" "$taken" 2>/dev/null || return 1
+  action=$(sed -n 's/^action=//p' "$taken")
+  nodes=$(sed -n 's/^exclude=//p' "$taken")
+  reason=$(sed -n 's/^reason=//p' "$taken")
+  echo "the step asks: $action job $sto_job${{nodes:+ without $nodes}} ($reason)" >&2
+  case $action in
+    requeue) out=$(sto_slurm scontrol requeue "$sto_job" 2>&1) || {{ sto_failed "$1" requeue "$out"; return 1; }} ;;
+    exclude)
+      trap '' TERM  # the hold-requeue's SIGTERM must not end this script before the release
+      out=$(sto_slurm scontrol requeuehold "$sto_job" 2>&1) || {{ sto_failed "$1" requeuehold "$out"; trap - TERM; return 1; }}
+      out=$(sto_slurm scontrol update "JobId=$sto_job" "ExcNodeList=$nodes" 2>&1) || sto_failed "$1" update "$out"
+      out=$(sto_slurm scontrol release "$sto_job" 2>&1) || sto_failed "$1" release "$out" ;;
+    cancel) out=$(sto_slurm scancel "$sto_job" 2>&1) || {{ echo "scancel $sto_job failed: $out" >&2; return 1; }} ;;
+    *) echo "job $sto_job: unknown request $action" >&2; return 1 ;;
+  esac
+}}
+srun() {{
+  local folder="${{@: -1}}" code i=0 pid
+  local dir="${{folder//%a/$SLURM_ARRAY_TASK_ID}}/.."
+  {{ SLURM_TIME_FORMAT=%s sto_slurm scontrol show job -o "$SLURM_JOB_ID"
+    sto_slurm sinfo -h -N -p "$SLURM_JOB_PARTITION" -o '%N|%t|%f'; }} > "$dir/{facts}" 2>/dev/null
   while :; do
-    rm -f "$mark"
-    STO_IN_JOB_RESTART=$i command srun "$@"
+    rm -f "$dir/{restart}" "$dir/{request}"
+    {restart_env}sto_slurm srun "$@" &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null; do
+      sleep 1 & wait -n
+      kill $! 2>/dev/null
+      sto_request "$dir" && exit 0
+    done
+    wait "$pid"
     code=$?
-    [ "$code" -ne 0 ] && [ -e "$mark" ] && [ "$i" -lt {restarts} ] || return "$code"
+    sto_request "$dir" && exit 0
+    [ "$code" -ne 0 ] && [ -e "$dir/{restart}" ] && [ "$i" -lt {restarts} ] || return "$code"
     i=$((i + 1))
-    echo "the step failed (exit $code; $(cat "$mark")): restart $i of {restarts} inside job $SLURM_JOB_ID" >&2
+    echo "the step failed (exit $code; $(cat "$dir/{restart}")): restart $i of {restarts} inside job $sto_job" >&2
   done
 }}"""
 
 
-def in_job_restart_loop(restarts: int) -> list[str]:
-    """The batch script's last setup lines for ``cluster.in_job_restarts=restarts``: the
-    training step in a loop (none for 0: the step runs once)."""
-    if int(restarts) <= 0:
-        return []
-    return ["# restarts inside the job (cluster.in_job_restarts): the srun line below runs the step "
-            "again while it leaves RUN_DIR/RESTART",
-            *_IN_JOB_RESTART_LOOP.format(restarts=int(restarts), mark=RESTART).splitlines()]
+def step_loop(restarts: int, python: Optional[str] = None) -> list[str]:
+    """The batch script's last setup lines for a training job: the step function above,
+    with ``cluster.in_job_restarts=restarts`` (0: the step runs once) and ``python`` (as
+    for :func:`task_python`) to record a failed Slurm call in run.json."""
+    python = shlex.quote(sys.executable) if python is None else python
+    return ["# the training step (slurm/submitit_adapter.step_loop): does what its tasks ask of Slurm "
+            "(RUN_DIR/SLURM_REQUEST), runs it again while it leaves RUN_DIR/RESTART "
+            f"(cluster.in_job_restarts={int(restarts)})",
+            *_STEP_LOOP.format(restarts=int(restarts), restart=RESTART, request=SLURM_REQUEST, facts=SLURM_JOB,
+                               python=python, restart_env="STO_IN_JOB_RESTART=$i " if int(restarts) > 0 else ""
+                               ).splitlines()]
 
 
 TASK_WRAPPER = Path(__file__).resolve().with_name("task_wrapper.sh")

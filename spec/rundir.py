@@ -35,6 +35,13 @@ SAVE_NOW = "SAVE_NOW"  # touch RUN_DIR/SAVE_NOW: a checkpoint at the next step b
 # ``in_job_restarts`` entry, as JSON); the batch script removes it before each srun and
 # starts the ranks again when the step leaves it behind (train/harness/restart.py).
 RESTART = "RESTART"
+# Written by a task that asks Slurm for its job (a requeue, a requeue without nodes, a
+# cancel: KEY=VALUE lines); the batch script, outside any container, does it and the
+# task needs no Slurm client (slurm/request.py). Removed before each srun, like RESTART.
+SLURM_REQUEST = "SLURM_REQUEST"
+# The batch script's view of its job at the segment's start, for the tasks: `scontrol show
+# job -o` (EndTime as epoch seconds) and its partition's nodes (`sinfo -N`) (slurm/request.py).
+SLURM_JOB = "slurm_job.txt"
 FAULTS = "faults"  # RUN_DIR/faults/NAME.json: an injected fault (fault.*) fired, and in which segment
 # run.json "failure" values whose suspect_nodes the next allocation avoids: the automatic
 # requeue (train/harness/badnodes.py) and launcher.resume (launcher/track/resume.py).

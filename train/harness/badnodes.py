@@ -15,10 +15,18 @@ count as preemptions) and enough usable nodes remain for the job:
    ``node_exclusions`` (one entry per automatic exclusion: nodes, reason, detail, job,
    segment, time), ``fault_requeues``; ``failure``, ``suspect_nodes`` and the rest of
    ``spec.rundir.SEGMENT_FAILURE`` stay until the next segment starts;
-3. :func:`slurm.query.requeue_excluding`: hold-requeue, ``ExcNodeList``, release (Slurm
-   changes ExcNodeList of pending jobs only). The job keeps its id and run directory and
-   resumes from its last committed checkpoint. A dead node holds the requeued job in
-   COMPLETING until Slurm declares it DOWN (``SlurmdTimeout``): only then does it start.
+3. the request to the batch script (:func:`slurm.request.ask`, ``exclude``), which runs
+   ``scontrol requeuehold``, ``update ExcNodeList``, ``release`` outside the task (Slurm
+   changes ExcNodeList of pending jobs only; a container need not have Slurm's client)
+   within a second, while a dead node's step still waits. The job keeps its id and run
+   directory and resumes from its last committed checkpoint. A dead node holds the
+   requeued job in COMPLETING until Slurm declares it DOWN (``SlurmdTimeout``): only then
+   does it start. A requeue that fails there is written back to run.json (``failed``,
+   ``requeue_error``).
+
+Whether the job still fits without the nodes is read from what the batch script wrote
+at the segment's start (``slurm_job.txt``: the job's node count and features, its
+partition's usable nodes).
 
 Otherwise the job ends as before (a dead node's job is cancelled so the survivors' nodes
 are freed; ``python -m launcher.resume`` excludes the nodes) and run.json's
@@ -33,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from slurm import query
+from slurm import request
 from slurm.env import expand_hostlist
 from spec.config import to_run_config, to_yaml
 from spec.rundir import CONFIG, EXCLUDING_FAILURES, Status, read_run_json, update_run_json
@@ -65,19 +73,18 @@ def nodes_left(need: int, usable: Dict[str, str], excluded: Iterable[str], featu
     return sorted(left)
 
 
-def shortfall(job: str, excluded: List[str]) -> Optional[str]:
+def shortfall(run_dir: Path, excluded: List[str]) -> Optional[str]:
     """Why the job could not run without ``excluded`` (too few usable nodes left in its
-    partition), None when it can or Slurm does not say."""
-    fields = query.job_fields(job)
-    need = int((fields.get("NumNodes") or "0").split("-")[0] or 0)
-    partition = fields.get("Partition")
-    if not need or not partition:
+    partition, as the batch script saw them at the segment's start), None when it can or
+    nothing says."""
+    facts = request.job_facts(run_dir)
+    if facts is None:
         return None
-    try:
-        usable = query.usable_nodes(partition)
-    except (query.SlurmUnavailable, OSError):
+    need = int((facts.fields.get("NumNodes") or "0").split("-")[0] or 0)
+    partition = facts.fields.get("Partition")
+    if not need or not partition or not facts.usable:
         return None
-    left = nodes_left(need, usable, excluded, fields.get("Features", ""))
+    left = nodes_left(need, facts.usable, excluded, facts.fields.get("Features", ""))
     if len(left) >= need:
         return None
     return (f"only {len(left)} usable node(s) of partition {partition} left without {','.join(excluded)}; "
@@ -121,7 +128,7 @@ def requeue_without_suspects(run_dir: Path, log: Callable[[str], None], job: Opt
     if not claim(run_dir, job):
         return ELSEWHERE
     why = (f"requeue cap cluster.max_requeues={cfg.cluster.max_requeues} reached" if plan["capped"]
-           else shortfall(job, plan["excluded"]))
+           else shortfall(run_dir, plan["excluded"]))
     if why:
         update_run_json(run_dir, auto_requeue=f"not requeued: {why}")
         log(f"{plan['reason']} on {', '.join(plan['nodes'])}: not requeued ({why})")
@@ -130,19 +137,12 @@ def requeue_without_suspects(run_dir: Path, log: Callable[[str], None], job: Opt
     entry = {"nodes": plan["nodes"], "failure": plan["failure"], "reason": plan["reason"], "job_id": job,
              "segment": info.get("segments"), "time": time.time(), "error": info.get("error"),
              "detail": info.get("fault")}
-    # run.json first: the requeue kills this process moments later.
+    # run.json first: the batch script's requeue ends this process moments later.
     update_run_json(run_dir, status=Status.REQUEUED, excluded_nodes=plan["excluded"],
                     node_exclusions=list(info.get("node_exclusions") or []) + [entry],
                     requeues_since_submit=plan["requeues"], fault_requeues=int(info.get("fault_requeues", 0)) + 1,
                     last_interruption=plan["failure"], auto_requeue=f"requeued without {','.join(plan['nodes'])}")
     log(f"{plan['reason']} on {', '.join(plan['nodes'])}: requeueing job {job} without "
               f"{','.join(plan['excluded'])}")
-    requeued, error = query.requeue_excluding(job, plan["excluded"])
-    if not requeued:
-        update_run_json(run_dir, status=Status.FAILED, requeue_error=error, auto_requeue=f"requeue failed: {error}")
-        log(f"requeue of job {job} failed: {error}")
-        return error
-    if error:
-        update_run_json(run_dir, requeue_error=error)
-        log(f"job {job}: {error}")
+    request.ask(run_dir, "exclude", f"{plan['reason']} on {','.join(plan['nodes'])}", plan["excluded"])
     return REQUEUED

@@ -7,7 +7,8 @@ stderr); the job then starts its ranks again inside the allocation while restart
 left (:mod:`train.harness.restart`), or is requeued without the blamed nodes while
 requeues are left (:mod:`train.harness.badnodes`); "completed" is
 ``completed``, "interrupted" (a checkpoint committed after a signal) is counted as a
-preemption or a timeout and requeued unless the cap is reached. A task that cannot take
+preemption or a timeout and requeued unless the cap is reached. Requeues and cancels are
+asked of the batch script (:mod:`slurm.request`): the task calls no Slurm client. A task that cannot take
 its device (:mod:`spec.device`: no usable CUDA, GPUs shown otherwise than the binding
 says) is refused at start (:func:`refuse_start`): ``failed`` with ``no_cuda`` /
 ``gpu_binding``, the job ended, no requeue.
@@ -112,11 +113,11 @@ def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int
     if standing == "node_failure":
         # Slurm notices a dead node only after SlurmdTimeout; until then the job would
         # hold the surviving nodes. End it now: the run is resumable elsewhere.
-        preempt.cancel(job)
+        preempt.cancel(run_dir, "a dead node, not requeued")
     elif standing in START_REFUSALS:
         # Tasks that could take their device wait in the rendezvous for this one until
         # train.dist_timeout_s: end the job now (the same refusal awaits it on a requeue).
-        preempt.cancel(job)
+        preempt.cancel(run_dir, f"a task refused to start ({standing})")
 
 
 def refuse_start(exc: DeviceError, run_dir: Path, rank: int, world_size: int, log: logging.Logger) -> NoReturn:
@@ -180,7 +181,7 @@ def after_interruption(cfg: RunConfig, run_dir: Path, info: dict, log: logging.L
         update_run_json(run_dir, status=Status.INTERRUPTED, last_interruption="terminated", ended_at=time.time())
         log.info("SIGTERM: checkpoint committed; not requeued (cancelled, or Slurm requeues it itself)")
         return
-    kind = preempt.classify(job, cfg.cluster.signal_delay_s) if job else "preemption"
+    kind = preempt.classify(run_dir, cfg.cluster.signal_delay_s) if job else "preemption"
     counter = "timeouts" if kind == "timeout" else "preemptions"
     requeues = int(info.get("requeues_since_submit", 0)) + 1
     fields = {counter: int(info.get(counter, 0)) + 1, "requeues_since_submit": requeues, "ended_at": time.time()}
@@ -192,9 +193,8 @@ def after_interruption(cfg: RunConfig, run_dir: Path, info: dict, log: logging.L
                         f"{cfg.cluster.max_requeues} reached after {kind}", **fields)
         log.info(f"{kind}: checkpoint committed; not requeued (cap {cfg.cluster.max_requeues} reached)")
     else:
-        # run.json first: the requeue may kill this process before it returns.
+        # run.json first: the batch script requeues the job within a second, ending this
+        # process; a requeue that fails there is written back (interrupted, requeue_error).
         update_run_json(run_dir, status=Status.REQUEUED, last_interruption=kind, **fields)
-        error = preempt.requeue(job)
-        log.info(f"{kind}: checkpoint committed; requeue of job {job}: {error or 'ok'}")
-        if error:  # e.g. the job was cancelled: it will not come back by itself
-            update_run_json(run_dir, status=Status.INTERRUPTED, requeue_error=error)
+        preempt.ask_requeue(run_dir, kind)
+        log.info(f"{kind}: checkpoint committed; requeue of job {job}: asked of the batch script")

@@ -8,13 +8,15 @@
    of the loss, so no extra collective is needed and every rank sees the same decision.
 3. All ranks save one checkpoint together and commit it atomically (train.checkpoint).
 4. Rank 0 decides: a signal with little time left is a *timeout*, otherwise a
-   *preemption* (counted separately in run.json). Unless the cap ``cluster.max_requeues``
-   is reached, rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` (``ARRAYID_TASKID`` in a job
-   array: see :func:`current_job_id`): the job keeps its id and run directory, and the
-   restarted tasks resume from the checkpoint. Then every rank
-   exits cleanly. A SIGTERM alone (no USR2 before it) is a cancellation or an
-   administrator's requeue: the checkpoint is saved but the job is not requeued by us
-   (a cancelled job must stay cancelled; Slurm requeues it itself when that was asked).
+   *preemption* (counted separately in run.json; the time left comes from the batch
+   script: :func:`slurm.request.seconds_left`). Unless the cap ``cluster.max_requeues``
+   is reached, rank 0 asks the batch script to requeue the job (``RUN_DIR/SLURM_REQUEST``,
+   :func:`slurm.request.ask`), which runs ``scontrol requeue`` outside the task (a
+   container need not have Slurm's client): the job keeps its id and run directory, and
+   the restarted tasks resume from the checkpoint. Then every rank exits cleanly. A
+   SIGTERM alone (no USR2 before it) is a cancellation or an administrator's requeue:
+   the checkpoint is saved but the job is not requeued by us (a cancelled job must stay
+   cancelled; Slurm requeues it itself when that was asked).
 
 submitit installs its own USR2 handler in each task; ours replaces it, so there is one
 path (submitit's Checkpointable is not used).
@@ -24,9 +26,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Callable, Mapping, Optional
 
-from slurm import query
+from slurm import request
 from slurm.env import slurm_job_id
 
 # Set by slurm/task_wrapper.sh: a file that exists when USR2 came before the handler.
@@ -79,38 +82,22 @@ class PreemptionFlag:
         return 0.0 if self.signum is None else (2.0 if self.signum == signal.SIGUSR2 else 1.0)
 
 
-def seconds_left(job_id: str) -> Optional[float]:
-    """Time left before the job's limit per Slurm, or None when unknown."""
-    out = query.time_left(job_id)
-    return None if out is None else parse_slurm_duration(out)
-
-
-def parse_slurm_duration(text: str) -> Optional[float]:
-    """``[days-]hours:minutes:seconds`` / ``minutes:seconds`` -> seconds; None if not a duration."""
-    text = text.strip()
-    if not text or text in ("UNLIMITED", "NOT_SET", "INVALID"):
-        return None
-    days = 0
-    if "-" in text:
-        d, text = text.split("-", 1)
-        days = int(d)
-    parts = [int(p) for p in text.split(":")]
-    while len(parts) < 3:
-        parts.insert(0, 0)
-    h, m, s = parts[-3:]
-    return float(((days * 24 + h) * 60 + m) * 60 + s)
-
-
-def classify(job_id: str, signal_delay_s: int) -> str:
+def classify(run_dir: str | Path, signal_delay_s: int) -> str:
     """"timeout" when the signal came because the time limit is near, else "preemption"."""
-    left = seconds_left(job_id)
+    left = request.seconds_left(run_dir)
     if left is not None and left <= signal_delay_s + TIMEOUT_MARGIN_S:
         return "timeout"
     return "preemption"
 
 
-requeue = query.requeue  # None on success, else Slurm's error text
-cancel = query.cancel
+def ask_requeue(run_dir: str | Path, reason: str) -> None:
+    """Have the batch script requeue this job (slurm/request.py)."""
+    request.ask(run_dir, "requeue", reason)
+
+
+def cancel(run_dir: str | Path, reason: str) -> None:
+    """Have the batch script cancel this job (the job is ending anyway)."""
+    request.ask(run_dir, "cancel", reason)
 
 
 def current_job_id(env: Mapping[str, str] | None = None) -> Optional[str]:
@@ -118,7 +105,7 @@ def current_job_id(env: Mapping[str, str] | None = None) -> Optional[str]:
     element of a job array that is "ARRAYID_TASKID" (:func:`slurm.env.slurm_job_id`, as in
     the task's :class:`~spec.identity.TaskIdentity`): the element's own SLURM_JOB_ID equals
     the array's id for one element, and `scontrol requeue`/`scancel` of that id act on
-    every element (seen on Slurm 22.05)."""
+    every element (seen on Slurm 22.05); the batch script computes the same id."""
     return slurm_job_id(env)
 
 

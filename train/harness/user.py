@@ -14,9 +14,10 @@ and preemption:
 - code that calls :func:`train.session.should_stop` handles the signal itself: the flag
   is set, the code saves and returns, and rank 0 requeues the job;
 - code that never asks is requeued at once when the warning signal (USR2) comes: rank 0
-  records the preemption (or timeout) and runs ``scontrol requeue``, and every rank
-  leaves the code with :class:`Preempted` (a BaseException: ``except Exception`` does
-  not swallow it). The requeued job restarts the script, which resumes from its own
+  records the preemption (or timeout) and asks the batch script to requeue the job
+  (:mod:`slurm.request`: ``scontrol requeue`` outside the task, within a second), whose
+  SIGTERM then ends every rank (elsewhere every rank leaves the code with
+  :class:`Preempted`, a BaseException: ``except Exception`` does not swallow it). The requeued job restarts the script, which resumes from its own
   checkpoints. A SIGTERM alone (``scancel``) ends it as ``interrupted``, not requeued.
 
 A requeued segment whose script (or module) file changed since submission says so in its
