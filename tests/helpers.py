@@ -74,3 +74,20 @@ def assert_same_state(ckpt, other, scratch) -> None:
     for key, value in ours.items():
         same = torch.equal(value, theirs[key]) if isinstance(value, torch.Tensor) else value == theirs[key]
         assert same, (ckpt, key)
+
+
+def hidden_slurm_client(directory) -> tuple:
+    """(a PATH for a job's tasks, the file of calls): stand-ins for Slurm's client
+    (scontrol, squeue, sacct, scancel, sinfo) first on the PATH, which fail as in a
+    container image without it, and note every call (none expected: slurm/request.py)."""
+    import os
+    from pathlib import Path
+
+    stubs = Path(directory) / "no-slurm-client"
+    stubs.mkdir(parents=True, exist_ok=True)
+    calls = stubs / "calls"
+    for name in ("scontrol", "squeue", "sacct", "scancel", "sinfo"):
+        stub = stubs / name
+        stub.write_text(f'#!/bin/sh\necho "{name} $*" >> "{calls}"\necho "{name}: not in this container" >&2\nexit 1\n')
+        stub.chmod(0o755)
+    return f"{stubs}:{os.environ['PATH']}", calls

@@ -1,6 +1,7 @@
 """Bad-node handling without a cluster: hardware-fault patterns, unhealthy GPUs among the
-preflight's outliers (nvidia-smi parsing: tests/test_health.py), per-node facts, and the automatic requeue's decisions and Slurm calls
-(Slurm faked at slurm.query). The end-to-end test with a killed node is in
+preflight's outliers (nvidia-smi parsing: tests/test_health.py), per-node facts, and the
+automatic requeue's decisions and its request to the batch script (what the batch script
+does with it: tests/test_slurm_request.py). The end-to-end test with a killed node is in
 tests/test_node_failure.py."""
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import socket
 
 import pytest
 
-from slurm import query
-from spec.rundir import read_run_json, update_run_json
+from slurm.request import read_request
+from spec.rundir import SLURM_JOB, SLURM_REQUEST, read_run_json, update_run_json
 from train.harness import badnodes, health
 from train.harness.outcome import outranks, record_failure
 from train.harness.preflight import add_unhealthy
@@ -84,36 +85,10 @@ def test_plan_exclusion_and_the_nodes_left():
     assert badnodes.nodes_left(2, usable, ["n2"], "pair1|pair2") == ["n1", "n3", "n4"]  # not parsed: not filtered
 
 
-def fake_slurm(monkeypatch, fail=()):
-    """query._run answering scontrol; records the commands (unshielded)."""
-    calls = []
-
-    def run(cmd, env=None, timeout=30):
-        if cmd[:2] == ["/bin/sh", "-c"]:
-            assert cmd[2] == 'trap "" TERM; exec "$@"'  # survives the requeue's SIGTERM
-            cmd = cmd[4:]
-        calls.append(cmd)
-        if cmd[1] in fail:
-            raise query.SlurmUnavailable(f"scontrol {cmd[1]} failed: Job is no longer pending execution")
-        if cmd[:3] == ["scontrol", "show", "job"]:
-            return "JobId=7 JobName=x Partition=debug NumNodes=2-2 Features=(null) ExcNodeList=(null)\n"
-        if cmd[0] == "sinfo":
-            return "node1|alloc|pair1\nnode2|alloc*|pair1\nnode3|idle|pair2\nnode4|down*|pair2\n"
-        return ""
-    monkeypatch.setattr(query, "_run", run)
-    return calls
-
-
-def test_requeue_excluding_holds_updates_and_always_releases(monkeypatch):
-    calls = fake_slurm(monkeypatch)
-    assert query.requeue_excluding("7", ["n3", "n2"]) == (True, None)
-    assert calls == [["scontrol", "requeuehold", "7"], ["scontrol", "update", "JobId=7", "ExcNodeList=n2,n3"],
-                     ["scontrol", "release", "7"]]
-    calls = fake_slurm(monkeypatch, fail=("update",))
-    requeued, error = query.requeue_excluding("7", ["n2"])
-    assert requeued and "without the exclusion" in error and calls[-1] == ["scontrol", "release", "7"]
-    calls = fake_slurm(monkeypatch, fail=("requeuehold",))
-    assert query.requeue_excluding("7", ["n2"])[0] is False and len(calls) == 1
+def job_facts(run_dir, nodes="node1|alloc|pair1\nnode2|alloc*|pair1\nnode3|idle|pair2\nnode4|down*|pair2\n"):
+    """RUN_DIR/slurm_job.txt as the batch script writes it at the segment's start."""
+    (run_dir / SLURM_JOB).write_text("JobId=7 JobName=x Partition=debug NumNodes=2 Features=(null) "
+                                     "EndTime=1795694547 ExcNodeList=(null)\n" + nodes)
 
 
 def run_dir_with(tmp_path, max_requeues=3, **info):
@@ -127,12 +102,12 @@ def run_dir_with(tmp_path, max_requeues=3, **info):
     return tmp_path
 
 
-def test_one_rank_requeues_without_the_dead_node(tmp_path, monkeypatch):
+def test_one_rank_asks_the_batch_script_to_requeue_without_the_dead_node(tmp_path, monkeypatch):
     from spec.config import to_run_config
 
-    calls = fake_slurm(monkeypatch)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     run_dir = run_dir_with(tmp_path, failure="node_failure", suspect_nodes=["node2.cluster"], error="RuntimeError: peer")
+    job_facts(run_dir)
     (run_dir / "nodes").mkdir()  # the ranks saw a qualified hostname; Slurm calls the node node2
     (run_dir / "nodes" / "node2.cluster.json").write_text(json.dumps({"slurm_node": "node2"}))
     said = []
@@ -144,12 +119,13 @@ def test_one_rank_requeues_without_the_dead_node(tmp_path, monkeypatch):
     [entry] = info["node_exclusions"]
     assert entry["nodes"] == ["node2"] and entry["reason"] == "node failure" and entry["job_id"] == "7"
     assert to_run_config(run_dir / "config.yaml").cluster.exclude == "node2"
-    assert ["scontrol", "update", "JobId=7", "ExcNodeList=node2"] in calls
+    # the batch script does the hold-requeue, ExcNodeList and release (tests/test_slurm_request.py)
+    assert read_request(run_dir / SLURM_REQUEST) == {"action": "exclude", "exclude": "node2",
+                                                      "reason": "node failure on node2"}
     assert "requeueing job 7 without node2" in said[0]
 
 
 def test_no_requeue_at_the_cap_or_without_enough_nodes(tmp_path, monkeypatch):
-    calls = fake_slurm(monkeypatch)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     capped = run_dir_with(tmp_path / "a", max_requeues=2, failure="node_failure", suspect_nodes=["node2"],
                           requeues_since_submit=2)
@@ -158,9 +134,17 @@ def test_no_requeue_at_the_cap_or_without_enough_nodes(tmp_path, monkeypatch):
     assert "not requeued" in read_run_json(capped)["auto_requeue"]
     # node4 is down: without node2 and node3 only node1 is left for a 2-node job
     short = run_dir_with(tmp_path / "b", failure="hardware_fault", suspect_nodes=["node2", "node3"])
+    job_facts(short)
     why = badnodes.requeue_without_suspects(short, lambda s: None, "7")
     assert why.startswith("only 1 usable node(s) of partition debug") and read_run_json(short)["status"] == "failed"
-    assert not any(c[:2] == ["scontrol", "requeuehold"] for c in calls)
+    assert not (capped / SLURM_REQUEST).exists() and not (short / SLURM_REQUEST).exists()
+    # the job's feature counts: pair1 has node1 left only, and without the file nothing says
+    assert badnodes.shortfall(short, ["node3"]) is None
+    job_facts(short, "node1|idle|pair1\nnode2|idle|pair1\nnode3|idle|pair2\n")
+    (short / SLURM_JOB).write_text((short / SLURM_JOB).read_text().replace("Features=(null)", "Features=pair1"))
+    assert badnodes.shortfall(short, ["node2"]).startswith("only 1 usable node(s)")
+    (short / SLURM_JOB).unlink()
+    assert badnodes.shortfall(short, ["node1", "node2", "node3"]) is None
 
 
 def test_a_crash_naming_this_nodes_gpu_blames_this_node(tmp_path, monkeypatch):

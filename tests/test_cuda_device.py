@@ -189,7 +189,7 @@ def test_a_refusal_fails_the_run_ends_the_slurm_job_and_no_echo_replaces_it(tmp_
 
     cancelled = []
     monkeypatch.setattr(outcome.preempt, "current_job_id", lambda: "4242")
-    monkeypatch.setattr(outcome.preempt, "cancel", cancelled.append)
+    monkeypatch.setattr(outcome.preempt, "cancel", lambda run_dir, reason: cancelled.append((run_dir, reason)))
     monkeypatch.setattr(outcome, "requeue_without_suspects", lambda *a: None)
     run_dir, log = _run_dir(tmp_path), logging.getLogger("test.cuda")
     with pytest.raises(SystemExit) as code:
@@ -197,7 +197,8 @@ def test_a_refusal_fails_the_run_ends_the_slurm_job_and_no_echo_replaces_it(tmp_
     info = read_run_json(run_dir)
     assert code.value.code == 1 and info["status"] == Status.FAILED and info["failure"] == NO_CUDA
     assert info["error"] == "DeviceError: no usable CUDA on gpu07 ..."
-    assert cancelled == ["4242"]  # its peers would wait in the rendezvous until dist_timeout_s
+    # its peers would wait in the rendezvous until dist_timeout_s: the batch script cancels the job
+    assert cancelled == [(run_dir, f"a task refused to start ({NO_CUDA})")]
     # rank 0, which had its GPU, sees the rendezvous break: its echo does not replace the cause
     outcome.record_failure(RuntimeError("Connection closed by peer"), run_dir, 0, 4, log, heartbeat_s=0)
     assert read_run_json(run_dir)["failure"] == NO_CUDA

@@ -1,7 +1,8 @@
 """Restarts inside the job (cluster.in_job_restarts), without Slurm: the decision
 (slurm.states.restart_refusal), the tasks' request and its record in run.json
 (train.harness.restart, through train.harness.outcome.record_failure), and the batch
-script's step loop, run by bash with a stand-in for srun."""
+script's step loop, run by bash with a stand-in for srun (what the loop asks of Slurm:
+tests/test_slurm_request.py)."""
 from __future__ import annotations
 
 import json
@@ -172,7 +173,8 @@ exit 0
 
 def run_script(tmp_path: Path, overrides, fail_times: int, mark: bool = True, folder: Path | None = None):
     """The rendered batch script of a 2-node localslurm run, run by bash with srun and
-    scontrol stood in for: (exit status, the srun calls, stderr)."""
+    Slurm's client stood in for (tests/test_slurm_request.py: what they are asked):
+    (exit status, the srun calls, stderr)."""
     cfg = compose_run(["+cluster=localslurm", *overrides])
     run_dir = tmp_path / "run dir"
     (run_dir / "slurm").mkdir(parents=True)
@@ -181,7 +183,8 @@ def run_script(tmp_path: Path, overrides, fail_times: int, mark: bool = True, fo
         script = script.replace(f"'{run_dir}/slurm'", f"'{folder}/%a'")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", "#!/bin/bash\necho scontrol \"$@\" >> \"$CALLS\"\n")):
+    client = "#!/bin/bash\necho \"$(basename \"$0\") $*\" >> \"$CALLS.slurm\"\n"
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", client), ("sinfo", client)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"), "FAIL_TIMES": str(fail_times),

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import final_states, job_gone, launcher, run_dir_of, submit_run, wait_until
+from helpers import hidden_slurm_client
 from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -81,10 +82,13 @@ def test_partition_preemption_requeues_and_resumes(tmp_path, slurm_cluster, refe
 
 
 def test_time_limit_is_a_timeout_and_the_cap_stops_it(tmp_path, slurm_cluster):
-    # 1 minute limit, signal 30 s before it; never finishes; one requeue allowed.
-    job, run_dir = submit(tmp_path, slurm_cluster, ["train.steps=100000", "fault.step_delay_s=0.2",
-                                                    "cluster.time_min=1", "cluster.signal_delay_s=30",
-                                                    "cluster.max_requeues=1"])
+    # 1 minute limit, signal 30 s before it; never finishes; one requeue allowed. The tasks
+    # have no Slurm client (failing stand-ins first on their PATH): the time left and the
+    # requeue come from the batch script (slurm/request.py).
+    path, client_calls = hidden_slurm_client(tmp_path)
+    extra = ["train.steps=100000", "fault.step_delay_s=0.2", "cluster.time_min=1", "cluster.signal_delay_s=30",
+             "cluster.max_requeues=1", f'+cluster.env.PATH="{path}"']
+    job, run_dir = submit(tmp_path, slurm_cluster, extra)
     assert wait_until(lambda: final_status(run_dir), 300, "two timeouts") == "stopped"
     info = read_run_json(run_dir)
     assert info["timeouts"] == 2 and info.get("preemptions", 0) == 0 and info["segments"] == 2
@@ -94,15 +98,14 @@ def test_time_limit_is_a_timeout_and_the_cap_stops_it(tmp_path, slurm_cluster):
     first_segment_end = max(r["step"] for r in rows if r["segment"] == 0)
     assert min(r["step"] for r in rows if r["segment"] == 1) == first_segment_end + 1  # nothing lost
     # Re-running the command of a capped run resumes it rather than starting over.
-    resumed = launcher(ARGS + ["train.steps=100000", "fault.step_delay_s=0.2", "cluster.time_min=1",
-                               "cluster.signal_delay_s=30", "cluster.max_requeues=1"], cwd=tmp_path,
-                       env=slurm_cluster, timeout=60)
+    resumed = launcher(ARGS + extra, cwd=tmp_path, env=slurm_cluster, timeout=60)
     assert resumed.returncode == 0 and run_dir_of(resumed.stdout) == run_dir
     new_job = next(line.split()[2] for line in resumed.stdout.splitlines() if line.startswith("submitted job"))
     log = run_dir / "logs" / "rank0.log"
     wait_until(lambda: log.read_text().count("resumed from step") == 2, 120, "the third segment to resume")
     subprocess.run(["scancel", new_job], env=slurm_cluster)
     assert read_run_json(run_dir)["segments"] == 3
+    assert not client_calls.exists(), client_calls.read_text()
 
 
 def test_a_failing_run_is_not_requeued(tmp_path, slurm_cluster):

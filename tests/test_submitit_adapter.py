@@ -74,7 +74,7 @@ def test_batch_script_requeues_a_step_killed_by_the_warning_signal(tmp_path):
     tail = script[script.index("# teardown"):]
     assert script.index("-m submitit.core._submit") < script.index("# teardown")
     assert '[ "$code" -eq 140 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt 7 ]' in tail
-    assert 'scontrol requeue "$job_id"' in tail and tail.rstrip().endswith("exit $code")
+    assert 'sto_slurm scontrol requeue "$sto_job"' in tail and tail.rstrip().endswith("exit $code")
 
 
 def test_memory_policy_spelling():
