@@ -209,9 +209,13 @@ class FaultConfig:
     # failing run; 0 = off.
     raise_at_step: int = 0
     raise_rank: int = -1
-    # raise_at_step, hang_at_step and kill_in_save_at_step fire once per run: the first
-    # time a start of the run reaches their step (recorded in RUN_DIR/faults/), so a
-    # restarted, requeued or resumed segment passes it. true: every time (a crash loop).
+    # Rank raise_rank raises the same way at every multiple of this step (N, 2N, 3N, ...):
+    # a run that fails again and again (bench/goodput.py --mode fault); 0 = off.
+    raise_every_steps: int = 0
+    # raise_at_step, raise_every_steps (each of its steps), hang_at_step and
+    # kill_in_save_at_step fire once per run: the first time a start of the run reaches
+    # their step (recorded in RUN_DIR/faults/), so a restarted, requeued or resumed
+    # segment passes it. true: every time (a crash loop).
     repeat: bool = False
     # The checkpoint thread of an async save sleeps this long before its snapshot and
     # again before its write, so the training thread runs ahead of it (tests: what is

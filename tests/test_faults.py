@@ -91,6 +91,25 @@ def test_raise_rank_names_the_rank_that_raises(tmp_path):
     assert json.loads((tmp_path / "faults" / "raise_at_step.json").read_text())["rank"] == 1
 
 
+def test_raise_every_steps_fires_once_at_each_multiple_of_its_step(tmp_path):
+    """fault.raise_every_steps=N: rank raise_rank fails at N, 2N, 3N, ..., each step once
+    per run, so the segment restarted from a checkpoint before 2N passes N and fails at 2N."""
+    cfg = FaultConfig(raise_every_steps=3, raise_rank=1)
+    fired = []
+    for segment in range(4):
+        for step in range(10):  # steps 1..10, as each restarted segment replays them
+            Faults(cfg, 0, segment, tmp_path).at_step_end(step, Phases())  # not rank 0
+            try:
+                Faults(cfg, 1, segment, tmp_path).at_step_end(step, Phases())
+            except RuntimeError as exc:
+                fired.append((segment, step + 1, str(exc)))
+                break
+    assert fired == [(s, 3 * (s + 1), f"fault.raise_every_steps=3: injected failure at step {3 * (s + 1)}")
+                     for s in range(3)]
+    assert sorted(p.name for p in (tmp_path / "faults").iterdir()) == [
+        "raise_every_steps_3.json", "raise_every_steps_6.json", "raise_every_steps_9.json"]
+
+
 def test_step_faults_without_a_run_directory_fire_at_their_step_in_every_segment(monkeypatch):
     slept = []
     monkeypatch.setattr(faults_module.time, "sleep", slept.append)

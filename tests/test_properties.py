@@ -291,6 +291,7 @@ def test_setup_lines_are_shell_by_design():
     ("data.seed", -1, "must be >= 0"),
     ("train.gc_every_steps", -1, "must be >= 0"),
     ("fault.raise_at_step", -1, "must be >= 0"),
+    ("fault.raise_every_steps", -3, "must be >= 0"),
     ("fault.slow_async_save_s", -0.5, "must be >= 0"),
     ("train.dist_timeout_s", 0, "must be >= 1"),
     ("train.dist_timeout_s", 300, "must be at most train.dist_timeout_s - 5 = 295"),  # hang 300 s default

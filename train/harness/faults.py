@@ -13,11 +13,12 @@ task starts; :attr:`train.harness.run.Task.segment`). A requeue is a new segment
 restart inside the job or a ``launcher.resume`` (a new job, whose SLURM_RESTART_COUNT
 starts at 0 again), so such a fault does not fire again there.
 
-The step faults (``fault.raise_at_step``, ``hang_at_step``, ``kill_in_save_at_step``)
-fire once per run: the segment that first reaches the step fires them (on every rank
-they name) and records it in ``RUN_DIR/faults/NAME.json``; a later segment (a restart
-inside the job, a requeue, a resume) passes the step. ``fault.repeat=true`` fires them
-every time (a crash loop). A seam without a run directory fires them every time.
+The step faults (``fault.raise_at_step``, ``hang_at_step``, ``kill_in_save_at_step``, and
+each step of ``raise_every_steps``) fire once per run: the segment that first reaches the
+step fires them (on every rank they name) and records it in ``RUN_DIR/faults/NAME.json``
+(``raise_every_steps_STEP.json``); a later segment (a restart inside the job, a requeue, a
+resume) passes the step. ``fault.repeat=true`` fires them every time (a crash loop). A
+seam without a run directory fires them every time.
 
 :meth:`Faults.at_step_end` is called by a workload at the end of every step, before the
 ranks' step collective: a raised error there is a failing run, a sleeping rank a hang that
@@ -79,6 +80,10 @@ class Faults:
         if step + 1 == fault.raise_at_step and fault.raise_rank in (-1, self.rank) and \
                 self.once("raise_at_step", step + 1):
             raise RuntimeError(f"fault.raise_at_step={step + 1}: injected failure")
+        every = fault.raise_every_steps
+        if every and (step + 1) % every == 0 and fault.raise_rank in (-1, self.rank) and \
+                self.once(f"raise_every_steps_{step + 1}", step + 1):
+            raise RuntimeError(f"fault.raise_every_steps={every}: injected failure at step {step + 1}")
         if self.rank == fault.hardware_fault_rank and step + 1 == fault.hardware_fault_at_step and \
                 self.in_this_segment(fault.hardware_fault_restart):
             raise RuntimeError(f"CUDA error: uncorrectable ECC error encountered (fault.hardware_fault_at_step="
