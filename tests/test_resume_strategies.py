@@ -24,8 +24,8 @@ from warm import launcher  # forked from one process that imported torch once (t
 from spec.rundir import read_metrics
 
 pytestmark = pytest.mark.slow
-# save_final=false: the periodic saves alone (steps 4 and 8; the default would also save step 12)
-BASE = ["train.steps=12", "train.seq_len=32", "data.num_tokens=50000", "checkpoint.every_steps=4",
+# save_final=false: the periodic saves alone (steps 2 and 4; the default would also save step 6)
+BASE = ["train.steps=6", "train.seq_len=32", "data.num_tokens=50000", "checkpoint.every_steps=2",
         "checkpoint.save_final=false"]
 STRATEGIES = ["fsdp", "hsdp", "tp", "pp_fsdp_tp", "zero2", "zero3", "zero3_offload"]
 SAME_STATE_AS = {"fsdp_grad_op": "fsdp", "fsdp_tp": "pp_fsdp_tp", "pp": "pp_fsdp_tp", "zero1": "zero2"}
@@ -70,11 +70,11 @@ def reference(tmp_path_factory):
 def test_kill_in_save_then_resume_is_exact(tmp_path, strategy, reference):
     args = strategy_args(strategy)
     ref = reference(strategy)
-    killed = launcher(args + ["fault.kill_in_save_at_step=8", f"launcher.run_dir={tmp_path}/run"], cwd=tmp_path)
+    killed = launcher(args + ["fault.kill_in_save_at_step=4", f"launcher.run_dir={tmp_path}/run"], cwd=tmp_path)
     assert killed.returncode != 0
     again = launcher(args + [f"launcher.run_dir={tmp_path}/run"], cwd=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "resumed from step 4" in (tmp_path / "run" / "logs" / "rank0.log").read_text()
+    assert "resumed from step 2" in (tmp_path / "run" / "logs" / "rank0.log").read_text()
     assert losses(tmp_path / "run") == losses(ref)
     assert_committed(tmp_path / "run" / "checkpoints")
 
@@ -92,5 +92,5 @@ def test_async_save_is_the_state_of_the_step_saved(tmp_path, strategy, reference
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert losses(runs["true"]) == losses(runs["false"])
     assert_committed(runs["true"] / "checkpoints")
-    for step in ("step_00000004", "step_00000008"):
+    for step in ("step_00000002", "step_00000004"):
         assert_same_state(runs["true"] / "checkpoints" / step, runs["false"] / "checkpoints" / step, tmp_path)
