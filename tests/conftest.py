@@ -192,6 +192,11 @@ def _cpu_now() -> float:
     return total
 
 
+def pytest_runtest_call(item):
+    if os.environ.get("STO_TEST_CPU"):
+        item.sto_tmp_path = (getattr(item, "funcargs", None) or {}).get("tmp_path")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     out = os.environ.get("STO_TEST_CPU")
@@ -204,5 +209,7 @@ def pytest_runtest_protocol(item, nextitem):
     cpu, wall = _cpu_now(), time.monotonic()
     yield
     row = {"test": item.nodeid, "cpu_s": round(_cpu_now() - cpu, 2), "wall_s": round(time.monotonic() - wall, 2)}
+    if getattr(item, "sto_tmp_path", None):  # a Slurm job's WorkDir in sacct: its CPU is the test's
+        row["tmp_path"] = str(item.sto_tmp_path)
     with open(out, "a") as f:
         f.write(json.dumps(row) + "\n")
