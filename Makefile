@@ -23,8 +23,8 @@ demo: setup
 	$(BIN)/python -m launcher $(ARGS)
 
 ## test: the whole suite, with the real local Slurm cluster started for it (tests/run_suite.sh:
-## four pytest processes: the tests without Slurm, beside the Slurm tests in two runs on a
-## node pair each, then the tests that need the whole cluster).
+## five pytest processes: the tests without Slurm in two runs, beside the Slurm tests in two
+## runs on a node pair each, then the tests that need the whole cluster).
 test: setup
 	bash slurm/cluster/up.sh
 	status=0; PYTHON=$(BIN)/python bash tests/run_suite.sh $(PYTEST_ARGS) || status=$$?; \

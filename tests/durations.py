@@ -7,6 +7,14 @@ runs on) from the output of pytest runs made with ``--durations=0``:
 Each test's setup, call and teardown are summed (a module fixture's set-up counts to the
 first test that needs it, as it does in a run); tests not in the logs keep their seconds,
 and ids that no longer collect are dropped with ``--prune``.
+
+A file ending in ``.jsonl`` is read as the rows ``STO_TEST_CPU=FILE`` writes (tests/conftest.py):
+each test's CPU seconds. The tests without Slurm are weighed by their CPU (the suite is
+CPU-bound: what a run of them costs the machine), the Slurm tests by wall time (their jobs'
+CPU is not theirs, and they wait on Slurm):
+
+    STO_TEST_CPU=cpu.jsonl .venv/bin/python -m pytest -m "not slurm"
+    .venv/bin/python tests/durations.py cpu.jsonl
 """
 from __future__ import annotations
 
@@ -46,7 +54,11 @@ def main(argv) -> int:
     known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     found: Dict[str, float] = {}
     for log in logs:
-        found.update(seconds(Path(log).read_text(errors="replace").splitlines()))
+        text = Path(log).read_text(errors="replace")
+        if log.endswith(".jsonl"):
+            found.update({row["test"]: row["cpu_s"] for row in map(json.loads, text.splitlines()) if row})
+        else:
+            found.update(seconds(text.splitlines()))
     known.update(found)
     if prune:
         ids = collected()

@@ -34,7 +34,8 @@ for key, args in json.loads(sys.argv[1]).items():
 print(json.dumps(runs))
 """
 RUNS = {"every": ["-m", "slurm"], "whole": ["-m", "slurm_whole"], "bad": ["--shard=3/2"],
-        **{f"part{k}": ["-m", "slurm and not slurm_whole", f"--shard={k}/2"] for k in (1, 2)}}
+        **{f"part{k}": ["-m", "slurm and not slurm_whole", f"--shard={k}/2"] for k in (1, 2)},
+        "others": ["-m", "not slurm"], **{f"other{k}": ["-m", "not slurm", f"--shard={k}/2"] for k in (1, 2)}}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,14 @@ def test_the_slurm_runs_split_the_slurm_tests_exactly(collections):
     assert sorted(parts[0] + parts[1] + whole) == every
     files = [{t.split("::")[0] for t in part} for part in parts]
     assert not files[0] & files[1]  # a file's module fixtures are built in one run only
+
+
+def test_the_runs_without_slurm_split_the_other_tests_exactly(collections):
+    every = collections["others"]["ids"]
+    parts = [collections[f"other{k}"]["ids"] for k in (1, 2)]
+    assert every and all(parts) and sorted(parts[0] + parts[1]) == every
+    files = [{t.split("::")[0] for t in part} for part in parts]
+    assert not files[0] & files[1]
 
 
 def test_a_bad_shard_is_refused(collections):
