@@ -300,12 +300,14 @@ def attempts(job: str, env: dict) -> list[dict]:
     return rows
 
 
-def submit(work: Path, name: str, steps: int, delay: float, env: dict, wait: bool = False) -> tuple[str, Path]:
+def submit(work: Path, name: str, steps: int, delay: float, env: dict, wait: bool = False,
+           extra: tuple = ()) -> tuple[str, Path]:
+    """The 2-node x 2-task run (``extra``: more overrides); its job id and run directory."""
     run_dir = work / name
     proc = subprocess.run([sys.executable, "-m", "launcher", "+cluster=localslurm", "cluster.nodes=2",
                            "cluster.gpus_per_node=2", f"train.steps={steps}", "train.seq_len=32",
                            "data.num_tokens=50000", f"fault.step_delay_s={delay}", f"launcher.root={work}",
-                           f"launcher.run_dir={run_dir}", f"launcher.wait={str(wait).lower()}"],
+                           f"launcher.run_dir={run_dir}", f"launcher.wait={str(wait).lower()}", *extra],
                           cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout + proc.stderr)

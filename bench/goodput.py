@@ -1,4 +1,4 @@
-"""Goodput under repeated preemption on the local Slurm cluster (``make cluster-up``).
+"""Goodput under repeated preemption, or a rank crashing again and again, on the local Slurm cluster (``make cluster-up``).
 
 A 2-node x 2-task run of the tiny model (DDP, gloo; ``fault.step_delay_s`` makes each
 step last a known time) is preempted every ``--period`` seconds by a job on the high
@@ -46,9 +46,16 @@ rendezvous, model build); 1st step ("resumed" -> the first step's start).
 
 The first attempt's start-up and the last one's exit are paid by any run: shown apart.
 
+``--mode fault`` runs the same job with a rank that crashes every ``--period`` seconds
+(``--faults`` times), each restarted inside the job from the last checkpoint: per fault
+its detection, restart, restore and first step (goal: their sum <= 10 s) and the steps
+lost, then the goodput (bench/goodput_faults.py says how each is read). ``--mode both``
+runs the preemption run, then the fault run, and prints their goodput side by side.
+
     flock /tmp/slurm-cluster.lock .venv/bin/python bench/goodput.py \\
-        [--period 180 --preemptions 3 --step-delay 0.5 --steps N --hold 2 --keep]
-    (short try: --period 60 --preemptions 2)
+        [--mode preempt|fault|both --period 180 --preemptions 3 --faults 3 --ckpt-every 30
+         --fault-rank 3 --step-delay 0.5 --steps N --hold 2 --keep]
+    (short try: --mode both --period 60 --preemptions 2 --faults 2)
 """
 from __future__ import annotations
 
@@ -66,17 +73,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import goodput_faults  # noqa: E402  (--mode fault)
+from goodput_faults import BUILT, RESUMED, STARTING, kept_spans, submitit_events, table  # noqa: E402  (the same reading of the logs)
 from checkpoint import CONF, ENDED, log_events, submit  # noqa: E402  (bench/checkpoint.py: the same run, its log)
 from slurm import query  # noqa: E402
 from spec.rundir import read_metrics, read_run_json  # noqa: E402
 
 SIGNAL = re.compile(r"^signal agreed at step (\d+): received by rank 0 at ([0-9.]+|unknown)")
 COMMIT = re.compile(r"^checkpoint step (\d+) committed in ([0-9.]+) s")
-BUILT = re.compile(r"^rank 0 coords")
-RESUMED = re.compile(r"^resumed from step (\d+) \(segment (\d+)\)")
 REQUEUE = re.compile(r"checkpoint committed; requeue of job")
-SUBMITIT = re.compile(r"^submitit \w+ \((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\) - (.*)$")
-STARTING = re.compile(r"^Starting with JobEnvironment")
 EXITING = re.compile(r"^Exiting after")
 
 
@@ -142,27 +147,6 @@ def after(events: list, pattern: re.Pattern, t: float):
     return next(((te, m) for te, msg in events if te >= t and (m := pattern.search(msg))), (None, None))
 
 
-def submitit_events(run_dir: Path, job: str) -> list:
-    """(time, message) of submitit's lines in task 0's output (every attempt appends to it)."""
-    path = run_dir / "slurm" / f"{job}_0_log.out"
-    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-    return [(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), m.group(2))
-            for line in lines if (m := SUBMITIT.match(line))]
-
-
-def kept_spans(rows: list, resumed: dict) -> dict:
-    """segment -> (start of its first kept step, end of its last kept step, seconds trained
-    after the checkpoint the next segment resumed from: lost)."""
-    spans = {}
-    for s in sorted({r["segment"] for r in rows}):
-        seg = [r for r in rows if r["segment"] == s]
-        kept = [r for r in seg if r["step"] <= resumed.get(s + 1, math.inf)]
-        if kept:
-            lost = seg[-1]["time"] - kept[-1]["time"]
-            spans[s] = (kept[0]["time"] - kept[0]["step_time_s"], kept[-1]["time"], lost)
-    return spans
-
-
 def analyse(res: dict) -> dict:
     rows, events, attempts = res["rows"], res["events"], res["acct"][res["job"]]
     sub = submitit_events(res["run_dir"], res["job"])
@@ -199,25 +183,11 @@ def analyse(res: dict) -> dict:
     wall_start, wall_end = attempts[0]["start"], attempts[-1]["end"]
     first, last = min(spans), max(spans)
     t_last_exit, _ = after(sub, EXITING, spans[last][1])
-    return dict(per=per, wall=wall_end - wall_start, useful=sum(b - a for a, b, _ in spans.values()),
-                lost=sum(lost for _, _, lost in spans.values()), requeue=sum(p["requeue"] for p in per if p),
+    return dict(per=per, wall=wall_end - wall_start, useful=sum(sp[1] - sp[0] for sp in spans.values()),
+                lost=sum(sp[2] for sp in spans.values()), requeue=sum(p["requeue"] for p in per if p),
                 pending=sum(p["pending"] for p in per if p), initial=spans[first][0] - wall_start,
                 final=wall_end - spans[last][1], final_py=(t_last_exit or math.nan) - spans[last][1],
                 steps=len({r["step"] for r in rows}), attempts=len(attempts))
-
-
-def table(title: str, cols: tuple, per: list, note: str) -> None:
-    names, keys = [c for c, _ in cols], [k for _, k in cols]
-    print(f"\n{title}\n{'#':>2} {'step':>5} " + " ".join(f"{c:>12}" for c in names) + "   (seconds)")
-    for k, p in enumerate(per):
-        if p is None:
-            print(f"{k + 1:>2}   (the run ended before it took effect)")
-        else:
-            print(f"{k + 1:>2} {p['step']:>5} " + " ".join(f"{p[key]:>12.2f}" for key in keys))
-    done = [p for p in per if p]
-    if len(done) > 1:
-        print(f"{'mean':>8} " + " ".join(f"{sum(p[key] for p in done) / len(done):>12.2f}" for key in keys))
-    print(note)
 
 
 def report(res: dict, a: dict, args) -> None:
@@ -258,31 +228,64 @@ def report(res: dict, a: dict, args) -> None:
     print(f"goodput without Slurm's wait  {useful / (wall - requeue):6.3f}   useful / (wall - requeue wait)")
 
 
+def side_by_side(pre: dict, fault: dict) -> None:
+    """The two runs' figures in one table (``--mode both``)."""
+    def mean(cost: float, n: int) -> float:
+        return cost / n if n else math.nan
+    done = [p for p in pre["per"] if p]
+    pre_cost = sum(p["cost"] for p in done)
+    lines = [("events", len(pre["per"]), fault["events"], "d"), ("wall time", pre["wall"], fault["wall"], ".1f"),
+             ("useful time", pre["useful"], fault["useful"], ".1f"),
+             ("trained again", pre["lost"], fault["lost"], ".1f"),
+             ("cost per event", mean(pre_cost, len(done)), mean(fault["cost"], len([p for p in fault["per"] if p])),
+              ".1f"), ("goodput", pre["useful"] / pre["wall"], fault["goodput"], ".3f")]
+    print(f"\n{'side by side':<16} {'preemption':>11} {'fault':>11}")
+    for name, a, b, fmt in lines:
+        print(f"{name:<16} {a:>11{fmt}} {b:>11{fmt}}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--period", type=float, default=180, help="seconds between preemptions")
+    parser.add_argument("--mode", choices=("preempt", "fault", "both"), default="preempt",
+                        help="preemptions, a crashing rank restarted inside the job, or both runs one after the other")
+    parser.add_argument("--period", type=float, default=180, help="seconds between preemptions (or faults)")
     parser.add_argument("--preemptions", type=int, default=3, help="how many, then the run finishes")
+    parser.add_argument("--faults", type=int, default=3, help="fault mode: how many crashes, then the run finishes")
+    parser.add_argument("--ckpt-every", type=int, default=30, help="fault mode: checkpoint.every_steps")
+    parser.add_argument("--fault-rank", type=int, default=3, help="fault mode: the rank that raises (of 4)")
     parser.add_argument("--step-delay", type=float, default=0.5, help="fault.step_delay_s: seconds per step")
     parser.add_argument("--step-overhead", type=float, default=0.08,
                         help="seconds a step takes beyond the delay, to size --steps")
     parser.add_argument("--steps", type=int, default=None,
-                        help="train.steps (default: enough for (preemptions + 1) x period of training)")
+                        help="train.steps (default: enough for (events + 1) x period of training)")
     parser.add_argument("--hold", type=float, default=2, help="seconds the high job holds the nodes")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for the run (default: ample)")
-    parser.add_argument("--keep", action="store_true", help="keep the run directory (printed)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for a run (default: ample)")
+    parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     args = parser.parse_args()
     if not CONF.is_file():
         sys.exit(f"no local Slurm cluster ({CONF} missing): run `make cluster-up` first")
-    if args.steps is None:
-        args.steps = math.ceil((args.preemptions + 1) * args.period / (args.step_delay + args.step_overhead))
+    fault_steps, args.steps = args.steps, args.steps or math.ceil(
+        (args.preemptions + 1) * args.period / (args.step_delay + args.step_overhead))
     if args.timeout is None:
         args.timeout = (args.preemptions + 1) * args.period * 3 + 600
     env = dict(os.environ, SLURM_CONF=str(CONF), PYTHONPATH=str(REPO))
     args.load = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-", dir=os.environ.get("BENCH_DIR")))
     try:
-        res = drive(args, env, work)
-        report(res, analyse(res), args)
+        pre = fault = None
+        if args.mode in ("preempt", "both"):
+            res = drive(args, env, work)
+            pre = analyse(res)
+            report(res, pre, args)
+        if args.mode in ("fault", "both"):
+            fargs = argparse.Namespace(**{**vars(args), "steps": fault_steps, "timeout": None})
+            res = goodput_faults.drive(fargs, env, work)
+            fault = goodput_faults.summary(res)
+            goodput_faults.report(res, fault, fargs)
+            print(f"load average (1 min) {args.load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
+                  f"{os.cpu_count()} CPUs")
+        if pre and fault:
+            side_by_side(pre, fault)
     finally:
         if not args.keep:
             subprocess.run(["rm", "-rf", str(work)])
