@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import warm
 from conftest import REPO, launcher, run_dir_of
 from helpers import compose_run
 from launcher import entrypoint
@@ -220,7 +221,9 @@ def _signal_rank0_after(run_dir: Path, steps: int, proc: subprocess.Popen) -> No
 @pytest.mark.parametrize("script, api", [(SESSION, True), (PLAIN, False)], ids=["session-api", "plain"])
 def test_signalled_script_is_interrupted_and_resumes_to_the_same_loss(tmp_path, script, api):
     args = [f"entrypoint={script}", "entrypoint_args=[--steps,12,--step-delay,0.3]"]
-    reference = launcher([f"entrypoint={script}", "entrypoint_args=[--steps,12]"], cwd=tmp_path)
+    # the reference and the resume forked warm (tests/warm.py); the signalled run starts cold,
+    # as a user's does (its rank 0 is found by its command line)
+    reference = warm.launcher([f"entrypoint={script}", "entrypoint_args=[--steps,12]"], cwd=tmp_path)
     assert reference.returncode == 0, reference.stdout + reference.stderr
     expected = losses(run_dir_of(reference.stdout))
     proc, run_dir = _start(tmp_path, args)
@@ -232,7 +235,7 @@ def test_signalled_script_is_interrupted_and_resumes_to_the_same_loss(tmp_path, 
         assert f"signalled: saved step {len(read_metrics(run_dir))}" in out
     else:  # the harness left the code at once; the script's own checkpoint is every 5 steps
         assert "the code did not ask" in out
-    resumed = launcher(args + [f"launcher.run_dir={run_dir}"], cwd=tmp_path)  # the same command again
+    resumed = warm.launcher(args + [f"launcher.run_dir={run_dir}"], cwd=tmp_path)  # the same command again
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert read_run_json(run_dir)["status"] == "completed"
     final = losses(run_dir)  # steps redone after a resume are logged again: the last value wins
