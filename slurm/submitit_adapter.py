@@ -136,7 +136,7 @@ srun() {{
   local folder="${{@: -1}}" code i=0 pid
   local dir="${{folder//%a/$SLURM_ARRAY_TASK_ID}}/.."
   {{ SLURM_TIME_FORMAT=%s sto_slurm scontrol show job -o "$SLURM_JOB_ID"
-    sto_slurm sinfo -h -N -p "$SLURM_JOB_PARTITION" -o '%N|%t|%f'; }} > "$dir/{facts}" 2>/dev/null
+    sto_slurm sinfo -h -N -p "$SLURM_JOB_PARTITION" -o '%N|%t|%f'; }} 2>/dev/null > "$dir/{facts}"
   while :; do
     rm -f "$dir/{restart}" "$dir/{request}"
     {restart_env}sto_slurm srun "$@" &
