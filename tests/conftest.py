@@ -41,9 +41,17 @@ CLUSTER_DIR = Path(os.environ.get("LOCALSLURM_DIR", "/tmp/localslurm"))
 
 
 def launcher(args: List[str], cwd: Path, env: dict | None = None, timeout: float = 600,
-             repo: Path = REPO) -> subprocess.CompletedProcess:
-    """``python -m launcher ARGS`` in a subprocess, from ``cwd`` (runs land in cwd/runs),
-    with ``repo``'s code (a clone's: tests/test_frozen_code_slurm.py)."""
+             repo: Path = REPO, cold: bool = False) -> subprocess.CompletedProcess:
+    """``python -m launcher ARGS`` from ``cwd`` (runs land in cwd/runs), with ``repo``'s code
+    (a clone's: tests/test_frozen_code_slurm.py). With this checkout's code it is forked from
+    the warm server (tests/warm.py: the launcher and its local ranks without ~2 s of imports
+    each; a Slurm job's tasks start cold on the nodes all the same); ``cold=True``, or
+    another ``repo``, starts a fresh interpreter: the tests of the real start-up
+    (tests/test_ddp.py, test_cli.py's bad input)."""
+    if repo == REPO and not cold:
+        import warm
+
+        return warm.launcher(args, cwd, env, timeout)
     full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(repo)}
     return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)

@@ -20,7 +20,7 @@ from conftest import launcher, run_dir_of
     (["+cluster=a100x8", "+model=llama3_70b"], "cluster.gpu_mem_gb=80: llama3_70b with strategy ddp is predicted"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, expect):
-    proc = launcher(args, cwd=tmp_path)
+    proc = launcher(args, cwd=tmp_path, cold=True)  # a fresh interpreter: nothing else on stderr
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], proc.stderr

@@ -27,9 +27,9 @@ def _losses(run_dir):
 
 def test_two_ranks_match_one_process(tmp_path):
     two = launcher(COMMON + ["cluster.gpus_per_node=2", "train.micro_batch_size=4",
-                             f"data.cache_dir={tmp_path}/data"], cwd=tmp_path)
+                             f"data.cache_dir={tmp_path}/data"], cwd=tmp_path, cold=True)  # the real start-up
     one = launcher(COMMON + ["cluster.gpus_per_node=1", "train.micro_batch_size=8",
-                             f"data.cache_dir={tmp_path}/data"], cwd=tmp_path)
+                             f"data.cache_dir={tmp_path}/data"], cwd=tmp_path, cold=True)
     assert two.returncode == 0 and one.returncode == 0, two.stdout + two.stderr + one.stderr
     l2, l1 = _losses(run_dir_of(two.stdout)), _losses(run_dir_of(one.stdout))
     assert len(l1) == len(l2) == 5
