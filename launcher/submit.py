@@ -120,10 +120,12 @@ def default_job_name(cfg: RunConfig) -> str:
     return f"sto-{name}"
 
 
-def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = None) -> Dict[str, Any]:
+def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = None,
+                     python: Optional[str] = None) -> Dict[str, Any]:
     """submitit/sbatch parameters of this run (the same for dry run and submission): one
     task per GPU, each with cluster.task_cpus() CPUs and its GPU(s) by cluster.gpu_binding.
-    ``code``: the run's frozen code (launcher.snapshot), first on the tasks' PYTHONPATH."""
+    ``code``: the run's frozen code (launcher.snapshot), first on the tasks' PYTHONPATH;
+    ``python``: the tasks' interpreter when not this one (render_script's)."""
     c = cfg.cluster
     gpu: Dict[str, Any] = {}
     extra: Dict[str, Any] = {}
@@ -132,7 +134,8 @@ def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = No
         gpu, extra, srun_gpu = sbatch.gpu_binding(c.gpu_binding, c.gpus_per_node, c.nodes)
     params = _job_parameters(cfg, cfg.launcher.job_name or default_job_name(cfg), c.nodes, c.gpus_per_node,
                              c.task_cpus(), srun_gpu, code)
-    params.update(gpu, setup=params["setup"] + submitit_adapter.step_loop(c.in_job_restarts, _task_python(code)[0]),
+    params.update(gpu, setup=params["setup"] + submitit_adapter.step_loop(c.in_job_restarts,
+                                                                              python or _task_python(code)[0]),
                   teardown=submitit_adapter.requeue_if_signalled(c.max_requeues))
     params["additional_parameters"] = {"requeue": True, **extra, **params["additional_parameters"]}
     return params
@@ -201,7 +204,7 @@ def _task_python(code: Optional[Frozen]) -> Tuple[Optional[str], Optional[str]]:
 def render_script(cfg: RunConfig, layout: Layout, run_dir: Path, python: Optional[str] = None,
                   wrapper: Optional[str] = None, code: Optional[Frozen] = None) -> str:
     frozen_python, frozen_wrapper = _task_python(code)
-    return submitit_adapter.render(slurm_parameters(cfg, layout, code), run_dir / "slurm", python or frozen_python,
+    return submitit_adapter.render(slurm_parameters(cfg, layout, code, python), run_dir / "slurm", python or frozen_python,
                                    wrapper or frozen_wrapper)
 
 

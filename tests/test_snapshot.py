@@ -167,7 +167,8 @@ def test_the_dry_run_says_what_would_be_frozen(tmp_path):
     off = warm.launcher([*SLURM, "launcher.dry_run=true", "launcher.snapshot=false"], cwd=tmp_path)
     assert off.returncode == 0, off.stdout + off.stderr
     assert f"code: the tasks import {REPO} as it is when they start (launcher.snapshot=false)" in off.stdout
-    assert "export PYTHONPATH" not in off.stdout and " -P " not in off.stdout and ".code" not in off.stdout
+    assert "export PYTHONPATH" not in off.stdout and f"{sys.executable} -P " not in off.stdout
+    assert ".code" not in off.stdout
 
 
 def test_a_bad_value_is_refused_in_one_line(tmp_path):
