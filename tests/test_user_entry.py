@@ -426,3 +426,25 @@ def test_groups_a_users_code_destroys_outlive_its_ddp_model(tmp_path):
     proc = subprocess.run([sys.executable, "-c", KEEP, str(tmp_path / "store")], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0 and proc.stdout.strip() == "kept 2", proc.stdout + proc.stderr
+
+
+# --- a rank that starts after rank 0 ended the run -----------------------------------------
+
+def test_a_rank_slower_than_rank_0_still_runs_its_share():
+    """A script without collectives can end on rank 0 (run.json ``completed``) before another
+    rank of the same job has read run.json: that rank still runs, and counts the segment rank
+    0 counted (seen on the local cluster: ranks 1-3 of a 4-task script said "nothing to do").
+    Another job's end (a Slurm restart of a finished run) still stops every rank."""
+    from types import SimpleNamespace
+
+    from train.harness.user import _ended_by_this_job
+
+    done = {"status": "completed", "job_id": "42", "restart_count": 0, "segments": 1}
+    late = SimpleNamespace(rank=2, job_id="42", restart_count=0)
+    assert _ended_by_this_job(done, late) and _ended_by_this_job(done, late, started=True)
+    assert _ended_by_this_job(dict(done, status="running"), late, started=True)
+    assert not _ended_by_this_job(dict(done, status="interrupted"), late, started=True)  # rank 0 not yet started
+    assert not _ended_by_this_job(done, SimpleNamespace(rank=0, job_id="42", restart_count=0))
+    assert not _ended_by_this_job(done, SimpleNamespace(rank=2, job_id="42", restart_count=1))  # requeued since
+    assert not _ended_by_this_job(done, SimpleNamespace(rank=2, job_id="43", restart_count=0))
+    assert not _ended_by_this_job(dict(done, job_id="local"), SimpleNamespace(rank=2, job_id="local", restart_count=0))

@@ -133,12 +133,13 @@ def _prepare(run_dir: Path) -> Optional[_Task]:
     log = rank_logger(run_dir, te.rank)
     info = read_run_json(run_dir)
     status = status_of(info)
-    if final(status):
+    if final(status) and not _ended_by_this_job(info, te):
         log.info(f"run is {status}; nothing to do (resubmit with `python -m launcher.resume {run_dir}`)")
         return None
     _take_device(cfg, te, run_dir, log)
     changed = _code_changed(entry)
-    segment = int(info.get("segments", 0)) + 1
+    # rank 0 counts the segment; a rank that reads run.json after it did takes its count
+    segment = int(info.get("segments", 0)) + (0 if _ended_by_this_job(info, te, started=True) else 1)
     if te.rank == 0:
         update_run_json(run_dir, status=Status.RUNNING, job_id=te.job_id, hostnames=_hostnames(te.launcher),
                         world_size=te.world_size, nodes=cfg.cluster.nodes, segments=segment,
@@ -150,6 +151,20 @@ def _prepare(run_dir: Path) -> Optional[_Task]:
     if changed:
         log.warning(f"{entry['path']} changed since submission (sha256 differs from {ENTRYPOINT})")
     return _Task(cfg, run_dir, entry, te, dict(info, segments=segment), log)
+
+
+def _ended_by_this_job(info: Dict[str, Any], te, started: bool = False) -> bool:
+    """A rank other than 0 that finds the run already ended by this very job (the same Slurm
+    job and restart, or torchrun run): rank 0 finished first (a script without collectives
+    can, while this rank was still starting) and this rank still runs its share. Rank 0, or
+    a job id that names no single job ("local", "single"), goes by the status alone.
+    ``started``: rank 0 of this job has marked it running (or ended it) already."""
+    same = te.rank != 0 and te.job_id not in ("local", "single") and info.get("job_id") == te.job_id \
+        and int(info.get("restart_count") or 0) == te.restart_count
+    if not started:
+        return same
+    status = status_of(info)
+    return same and (status == Status.RUNNING or final(status))
 
 
 def _take_device(cfg: RunConfig, te, run_dir: Path, log) -> None:
