@@ -53,19 +53,23 @@ def test_two_nodes_two_tasks_each(tmp_path, slurm_cluster):
     assert "steps: 10" in proc.stdout and f"run_dir: {run_dir}" in proc.stdout
 
 
-# Strategies whose layout needs two ranks on a node (TP inside a node, HSDP's shards); the
-# others run one rank a node: what crosses nodes is the same, at half the CPU.
-TWO_PER_NODE = {"tp", "fsdp_tp", "hsdp", "pp_fsdp_tp"}
+# One strategy for each way a rank is built (test_torchrun's rule: every builder, ZeRO
+# family, pipeline, tensor parallel and offload), each across 2 nodes; every strategy's
+# training is tests/test_strategies.py's. Two ranks a node where the layout needs them
+# (HSDP's shards inside a node, TP inside a node), else one: what crosses nodes is the same.
+ACROSS_NODES = {"ddp": 1, "hsdp": 2, "zero1": 1, "zero3_offload": 1, "pp_fsdp_tp": 2}
 
 
-def test_every_strategy_runs_on_two_nodes(tmp_path, slurm_cluster):
-    """Each shipped strategy trains through the launcher on 2 nodes (two sweeps: 2 ranks a
-    node where the layout needs them, else 1)."""
-    strategies = strategy_options()
-    assert TWO_PER_NODE < set(strategies)
+def test_each_way_a_rank_is_built_runs_on_two_nodes(tmp_path, slurm_cluster):
+    """Each builder path trains through the launcher on 2 nodes (two sweeps: 2 ranks a node
+    where the layout needs them, else 1)."""
+    from test_torchrun import _paths
+
+    every = set().union(*(_paths(s) for s in strategy_options()))
+    assert set().union(*(_paths(s) for s in ACROSS_NODES)) == every
     jobs, run_dirs = [], []
     for per_node in (1, 2):
-        chosen = [s for s in strategies if (s in TWO_PER_NODE) == (per_node == 2)]
+        chosen = [s for s, n in ACROSS_NODES.items() if n == per_node]
         proc = launcher(["+cluster=localslurm", "+strategy=" + ",".join(chosen), "cluster.nodes=2",
                          f"cluster.gpus_per_node={per_node}", "train.steps=4", "train.seq_len=32",
                          "data.num_tokens=50000", f"data.cache_dir={tmp_path}/data", "-m"], cwd=tmp_path,
@@ -73,17 +77,15 @@ def test_every_strategy_runs_on_two_nodes(tmp_path, slurm_cluster):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         jobs += [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("submitted job")]
         run_dirs += [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("run_dir: ")]
-    assert len(jobs) == len(run_dirs) == len(strategies), (jobs, run_dirs)
-    # 12 jobs, two at a time on the pair: ~3 min alone, 12 min in a loaded suite run here
+    assert len(jobs) == len(run_dirs) == len(ACROSS_NODES), (jobs, run_dirs)
     states = wait_terminal(jobs, slurm_cluster, timeout=1500)
     for job, run_dir in zip(jobs, run_dirs):
         info = read_run_json(run_dir)
         where = f"{info.get('strategy')} ({run_dir}): {info.get('error')}"
         assert states[job][1] == "COMPLETED" and info["status"] == "completed", where
-        ranks = 4 if info["strategy"] in TWO_PER_NODE else 2
-        assert info["world_size"] == ranks and len(set(info["hostnames"])) == 2, where
+        assert info["world_size"] == 2 * ACROSS_NODES[info["strategy"]] and len(set(info["hostnames"])) == 2, where
         assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4], where
-    assert sorted(read_run_json(d)["strategy"] for d in run_dirs) == sorted(strategies)
+    assert sorted(read_run_json(d)["strategy"] for d in run_dirs) == sorted(ACROSS_NODES)
 
 
 def test_sweep_submits_one_job_per_point_without_waiting(tmp_path, slurm_cluster):

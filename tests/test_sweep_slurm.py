@@ -54,11 +54,12 @@ def expected_throughput(run_dir: Path):
 def test_sweep_report_status_and_a_cancelled_point(tmp_path, slurm_cluster, monkeypatch):
     env = slurm_cluster
     # Both sweeps go in first, so their jobs run side by side.
-    ok = launcher(["+cluster=localslurm", *SECOND, "cluster.nodes=1,2", "train.steps=8", "-m"], cwd=tmp_path, env=env,
-                  timeout=120)
+    # one rank a node: 1 and 2 GPUs a series, at half the CPU of two a node
+    ok = launcher(["+cluster=localslurm", *SECOND, "cluster.nodes=1,2", "cluster.gpus_per_node=1", "train.steps=8", "-m"],
+                  cwd=tmp_path, env=env, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    slow = launcher(["+cluster=localslurm", "cluster.nodes=1", "train.steps=400", "fault.step_delay_s=0.5", "-m"],
-                    cwd=tmp_path, env=env, timeout=120)
+    slow = launcher(["+cluster=localslurm", "cluster.nodes=1", "cluster.gpus_per_node=1", "train.steps=400",
+                     "fault.step_delay_s=0.5", "-m"], cwd=tmp_path, env=env, timeout=120)
     assert slow.returncode == 0, slow.stdout + slow.stderr
     sweep, doomed = sweep_dir_of(ok), sweep_dir_of(slow)
 
@@ -91,7 +92,7 @@ def test_sweep_report_status_and_a_cancelled_point(tmp_path, slurm_cluster, monk
         run_dir = Path(row["run_dir"])
         tokens, samples, metrics = expected_throughput(run_dir)
         assert states[row["job_id"]] == row["state"] == "COMPLETED"
-        assert int(row["gpus"]) == read_run_json(run_dir)["world_size"] == 2 * int(row["nodes"])
+        assert int(row["gpus"]) == read_run_json(run_dir)["world_size"] == int(row["nodes"])
         assert float(row["tokens_per_s"]) == pytest.approx(tokens, rel=1e-6)
         assert float(row["samples_per_s"]) == pytest.approx(samples, rel=1e-6)
         assert float(row["tokens_per_s_per_gpu"]) == pytest.approx(tokens / int(row["gpus"]), rel=1e-6)
