@@ -8,6 +8,7 @@ the tasks' client replaced by failing stubs: tests/test_slurm_client_hidden.py."
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -103,7 +104,7 @@ def run_script(tmp_path: Path, overrides=(), array: bool = False, **env):
     run_dir = tmp_path / "run dir"
     (run_dir / "slurm").mkdir(parents=True)
     update_run_json(run_dir, status="requeued")
-    script = render_script(cfg, build_layout(cfg), run_dir, python=sys.executable, wrapper="/w.sh")
+    script = render_script(cfg, build_layout(cfg), run_dir, python=shlex.quote(sys.executable), wrapper="/w.sh")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name in ("srun", "scontrol", "sinfo", "scancel"):

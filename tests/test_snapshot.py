@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -122,10 +123,10 @@ def test_the_tasks_import_the_copy_before_the_checkout(tmp_path):
     assert p.frozen.setup_lines()[0] in script and f"/bin/bash {wrapper} {python} -u -m submitit.core._submit" in script
     probe = "import train.job, slurm.submitit_adapter as s; print(train.job.__file__); print(s.__file__)"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for command, where in ((python, copy), (sys.executable, REPO)):
+    for command, where in ((python, copy), (shlex.quote(sys.executable), REPO)):
         line = f"{p.frozen.setup_lines()[0]}; exec /bin/bash {wrapper} {command} -c '{probe}'"
         out = subprocess.run(["bash", "-c", line], cwd=REPO, env=env, capture_output=True, text=True, check=True)
-        assert [Path(f).parent.parent for f in out.stdout.split()] == [where, where], (command, out.stdout)
+        assert [Path(f).parent.parent for f in out.stdout.splitlines()] == [where, where], (command, out.stdout)
 
 
 def test_a_tree_too_large_is_refused_with_the_fix(tmp_path):
@@ -156,18 +157,18 @@ def test_the_dry_run_refuses_a_tree_too_large_and_leaves_nothing(tmp_path):
 def test_the_dry_run_says_what_would_be_frozen(tmp_path):
     proc = warm.launcher([*SLURM, "launcher.dry_run=true"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    said = re.search(r"^code: would freeze (\S+) \(git: (\d+) files, ([\d.]+) MB\) -> (\S+); ", proc.stdout, re.M)
+    said = re.search(r"^code: would freeze (.+?) \(git: (\d+) files, ([\d.]+) MB\) -> (\S+); ", proc.stdout, re.M)
     assert said, proc.stdout
     source, files, mb, copy = said.groups()
     assert source == str(REPO) and int(files) > 200 and 0.5 < float(mb) < 200
     assert Path(copy).parent == tmp_path / "runs" / ".code" and not Path(copy).parent.exists()  # nothing copied
     assert f"export PYTHONPATH={copy}${{PYTHONPATH:+:$PYTHONPATH}}" in proc.stdout
-    assert f"{copy}/slurm/task_wrapper.sh {sys.executable} -P -u -m submitit.core._submit" in proc.stdout
+    assert f"{copy}/slurm/task_wrapper.sh {shlex.quote(sys.executable)} -P -u -m submitit.core._submit" in proc.stdout
 
     off = warm.launcher([*SLURM, "launcher.dry_run=true", "launcher.snapshot=false"], cwd=tmp_path)
     assert off.returncode == 0, off.stdout + off.stderr
     assert f"code: the tasks import {REPO} as it is when they start (launcher.snapshot=false)" in off.stdout
-    assert "export PYTHONPATH" not in off.stdout and f"{sys.executable} -P " not in off.stdout
+    assert "export PYTHONPATH" not in off.stdout and f"{shlex.quote(sys.executable)} -P " not in off.stdout
     assert ".code" not in off.stdout
 
 
