@@ -86,7 +86,10 @@ def preload() -> None:
 def serve() -> None:
     """One request a line on stdin (JSON), one reply a line on stdout: its exit status."""
     preload()
+    import gc
     import threading
+
+    gc.freeze()  # as train.main.freeze_imports: a fork's collections neither scan nor copy the imports
 
     assert threading.active_count() == 1, threading.enumerate()  # a fork copies only this thread
     for line in sys.stdin:

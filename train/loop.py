@@ -69,8 +69,7 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
 
     gc_every = cfg.train.gc_every_steps
     if gc_every > 0:  # see TrainConfig.gc_every_steps; re-enabled on the way out
-        gc.collect()
-        gc.freeze()  # the model, optimizer and imports: never scanned again
+        gc.collect()  # the imports are frozen (train.main.freeze_imports): this scans the run's objects
         gc.disable()
     tracking = Tracking(cfg, task.run_dir, loader.state.step, task.segment, ctx.is_main)
     try:
@@ -79,7 +78,6 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
         tracking.close()
         if gc_every > 0:
             gc.enable()
-            gc.unfreeze()
 
 
 def _build_and_restore(task: Task, ckpt: Checkpointer) -> Tuple[Engine, Optional[Dict[str, Any]]]:

@@ -57,6 +57,18 @@ def warm_imports(run_dir: str) -> None:
         get_builder(cfg)
     if layout.tp_enabled:
         import train.strategies.tp  # noqa: F401
+    freeze_imports()
+
+
+def freeze_imports() -> None:
+    """Move every object alive now (the imports: torch, DeepSpeed, ~400k objects) to the
+    collector's permanent generation. A full collection (the trainer's before its steps and
+    at the process group's teardown, DeepSpeed's own) then scans only the run's objects:
+    0.4 s of CPU less each, and a forked rank no longer copies every page the imports
+    touched when it collects (the collector writes into each object it scans)."""
+    import gc
+
+    gc.freeze()
 
 
 def run(run_dir: str | Path, flag: PreemptionFlag | None = None) -> int:
@@ -71,6 +83,7 @@ def run(run_dir: str | Path, flag: PreemptionFlag | None = None) -> int:
     # The trainer's imports (torch, its distributed packages: seconds) before the harness
     # joins the job and its watchdog's start-up clock runs.
     import train.loop  # noqa: F401
+    freeze_imports()
     return run_task(run_dir, trainer, flag)
 
 
