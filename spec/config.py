@@ -101,6 +101,11 @@ class StrategyConfig:
     pp_microbatches: int = 4
     # torch.compile the model (GPU).
     compile: bool = False
+    # fp32 matmuls on CUDA in TF32 (torch.set_float32_matmul_precision("high"): Ampere and
+    # later, a 10-bit mantissa at several times fp32's rate); false keeps IEEE fp32
+    # ("highest"), e.g. for mixed_precision=fp32 runs compared bit for bit. Under bf16 it
+    # touches only what stays fp32. CPU runs are IEEE fp32 either way.
+    tf32: bool = True
 
 
 @dataclass

@@ -88,8 +88,24 @@ class Attention(nn.Module):
         k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), rope)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+        return self.wo(causal_attention(q, k, v).transpose(1, 2).reshape(bsz, seq, -1))
+
+
+def fused_gqa(device_type: str, dtype: torch.dtype) -> bool:
+    """SDPA's ``enable_gqa`` keeps a fused kernel: on CUDA only FlashAttention takes it
+    (fp16/bf16; the memory-efficient kernel does not), so fp32 with fewer K/V heads falls
+    to the math kernel, which builds the whole S x S scores. Elsewhere (CPU) it is kept."""
+    return device_type != "cuda" or dtype in (torch.float16, torch.bfloat16)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA over (batch, heads, seq, head_dim). Grouped-query K/V go to the kernel as
+    they are where it takes them fused (:func:`fused_gqa`), else expanded to the query's
+    heads first (what the kernel then saves for backward: launcher/plan/memory.py counts it)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not fused_gqa(q.device.type, q.dtype):
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class FeedForward(nn.Module):

@@ -177,11 +177,13 @@ def block_bytes(m: ModelConfig, tp: int, e: int, autocast: bool, checkpointed: b
     Tensor parallel (train/strategies/tp.py, sequence parallel on DTensor) divides all by
     tp except the norms' outputs, which are all-gathered for the column-parallel matmuls
     and saved whole (Megatron keeps them sharded and gathers again in backward).
+    In fp32 (e = 4) grouped-query K/V reach the fused kernel expanded to every query head
+    (train/model.py:causal_attention, on CUDA): k and v count 2h, not 2 kv.
     """
     h, f = m.dim, ffn_hidden_dim(m)
     if checkpointed:
         return (4 if autocast else e) * h / tp
-    kv = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
+    kv = h if e == 4 else (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
     whole = 10 * h if autocast else 2 * e * h
     norms = (26 if autocast else 24) * h
     return (norms - whole + e * (2 * h + 2 * kv + 4 * f)) / tp + whole

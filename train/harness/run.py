@@ -157,8 +157,10 @@ def _claim(cfg: RunConfig, layout: Layout, ctx, run_dir: Path, log: logging.Logg
     import torch.distributed as dist
 
     from train.harness.dist import all_hostnames
+    from train.strategies.base import matmul_precision
 
     hostnames = all_hostnames(ctx)
+    matmul = matmul_precision(cfg, ctx.device)  # before the preflight's matmul and the model's
     info = [read_run_json(run_dir) if ctx.is_main else None]
     dist.broadcast_object_list(info, src=0)
     status = status_of(info[0])
@@ -168,7 +170,7 @@ def _claim(cfg: RunConfig, layout: Layout, ctx, run_dir: Path, log: logging.Logg
     if ctx.is_main:
         update_run_json(run_dir, status=Status.RUNNING, job_id=ctx.job_id, hostnames=hostnames,
                         world_size=ctx.world_size, nodes=len(hostnames), segments=int(info[0].get("segments", 0)) + 1,
-                        strategy=cfg.strategy.name, launcher=ctx.launcher, backend=ctx.backend,
+                        strategy=cfg.strategy.name, launcher=ctx.launcher, backend=ctx.backend, matmul=matmul,
                         started_at=time.time(), restart_count=ctx.restart_count, **SEGMENT_FAILURE)
         restart.note_start(run_dir, ctx)
     mark_stderr(run_dir)  # a hardware fault is looked for in this segment's stderr only

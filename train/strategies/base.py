@@ -71,6 +71,15 @@ def compute_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if mode == "bf16" else torch.float32
 
 
+def matmul_precision(cfg: RunConfig, device: torch.device) -> str:
+    """Set the precision of fp32 matmuls on CUDA (``strategy.tf32``) and name what runs:
+    "tf32" or "fp32" (IEEE; always on CPU, whose setting is left alone)."""
+    if device.type != "cuda":
+        return "fp32"
+    torch.set_float32_matmul_precision("high" if cfg.strategy.tf32 else "highest")
+    return "tf32" if cfg.strategy.tf32 else "fp32"
+
+
 class Engine(Protocol):
     #: This rank's model parts (one module; with pipeline parallel, one per stage held).
     model_parts: List[nn.Module]
