@@ -107,9 +107,11 @@ def check_slurm(cfg: RunConfig, slurm_conf: Optional[str], probe: SlurmProbe) ->
         total = probe.partition_nodes[(slurm_conf, partition)]
         if isinstance(total, str):
             raise ConfigError(f"cluster.partition={partition}: {total}; pick an existing partition (sinfo -s)")
-        if cfg.cluster.nodes > total:
-            raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} exceeds the {total} nodes of partition "
-                              f"{partition}; use cluster.nodes<={total}")
+        spares = cfg.cluster.spare_nodes
+        if cfg.cluster.nodes + spares > total:
+            asked = f"cluster.nodes={cfg.cluster.nodes}" + (f" + cluster.spare_nodes={spares}" if spares else "")
+            raise ConfigError(f"{asked} exceeds the {total} nodes of partition {partition}; use "
+                              f"{'cluster.nodes + cluster.spare_nodes' if spares else 'cluster.nodes'}<={total}")
 
 
 def default_job_name(cfg: RunConfig) -> str:
@@ -130,14 +132,16 @@ def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = No
     gpu: Dict[str, Any] = {}
     extra: Dict[str, Any] = {}
     srun_gpu: List[str] = []
+    nodes = c.nodes + c.spare_nodes  # the spares idle until a restart needs one (cluster.spare_nodes)
     if c.accelerator == "gpu":
-        gpu, extra, srun_gpu = sbatch.gpu_binding(c.gpu_binding, c.gpus_per_node, c.nodes)
-    params = _job_parameters(cfg, cfg.launcher.job_name or default_job_name(cfg), c.nodes, c.gpus_per_node,
+        gpu, extra, srun_gpu = sbatch.gpu_binding(c.gpu_binding, c.gpus_per_node, nodes)
+    params = _job_parameters(cfg, cfg.launcher.job_name or default_job_name(cfg), nodes, c.gpus_per_node,
                              c.task_cpus(), srun_gpu, code)
-    params.update(gpu, setup=params["setup"] + submitit_adapter.step_loop(c.in_job_restarts,
-                                                                              python or _task_python(code)[0]),
+    params.update(gpu, setup=params["setup"] + submitit_adapter.step_loop(
+        c.in_job_restarts, python or _task_python(code)[0], c.spare_nodes, c.nodes, c.gpus_per_node),
                   teardown=submitit_adapter.requeue_if_signalled(c.max_requeues))
-    params["additional_parameters"] = {"requeue": True, **extra, **params["additional_parameters"]}
+    spare = {"no-kill": True} if c.spare_nodes else {}  # the job outlives a dead node
+    params["additional_parameters"] = {"requeue": True, **spare, **extra, **params["additional_parameters"]}
     return params
 
 
@@ -187,11 +191,15 @@ def resources_line(cfg: RunConfig) -> str:
         line += "all of the node's (cluster.mem_gb=0: --mem=0)"
     else:
         line += f"{c.mem_gb} GB (--mem={submitit_adapter.mem_option(c.mem_gb)})"
+    if c.spare_nodes:
+        line += (f"; nodes: {c.nodes + c.spare_nodes} = {c.nodes} training + {c.spare_nodes} spare "
+                 f"(cluster.spare_nodes={c.spare_nodes}: sbatch --nodes={c.nodes + c.spare_nodes} --no-kill, "
+                 f"srun --nodes={c.nodes})")
     if c.accelerator != "gpu":
         return line + "; GPUs: none (cluster.accelerator=cpu)"
     if c.gpu_binding == "task":
         return line + (f"; GPU binding task: each task sees only its own GPU, cuda:0 (sbatch --ntasks="
-                       f"{c.nodes * c.gpus_per_node} --gpus-per-task=1, srun --gpus-per-task=1 --gpu-bind=per_task:1)")
+                       f"{(c.nodes + c.spare_nodes) * c.gpus_per_node} --gpus-per-task=1, srun --gpus-per-task=1 --gpu-bind=per_task:1)")
     return line + (f"; GPU binding node: every task sees the node's {c.gpus_per_node} GPUs and takes cuda:LOCAL_RANK "
                    f"(sbatch --gpus-per-node={c.gpus_per_node})")
 

@@ -148,17 +148,18 @@ START_ERRORS = ("ImportError", "ModuleNotFoundError", "SyntaxError", "FileNotFou
 
 
 def restart_refusal(entries: Sequence[Mapping[str, Any]], failure: Optional[str], error: str, step: int,
-                    job_id: str, budget: int, started: Optional[bool]) -> Optional[str]:
+                    job_id: str, budget: int, started: Optional[bool], spare: bool = False) -> Optional[str]:
     """Whether a failed segment of job ``job_id`` is started again inside the job: None
     when it is, else why not (run.json ``in_job_restart``). ``entries``: run.json's
     ``in_job_restarts`` (the restarts so far, every job's); ``failure`` and ``error``:
     the failure recorded (class, ``Type: message``); ``step``: the step it failed in
     (1-based); ``budget``: ``cluster.in_job_restarts``; ``started``: the run had done a
     step when it failed (None: unknown, a user's code that reports no steps; the error
-    classes and the crash-loop guard still apply). Pure."""
+    classes and the crash-loop guard still apply); ``spare``: the failure blames nodes and
+    the job's spare nodes can take their place (cluster.spare_nodes). Pure."""
     if budget <= 0:
         return "cluster.in_job_restarts=0"
-    if failure not in RESTARTABLE_FAILURES:
+    if failure not in RESTARTABLE_FAILURES and not spare:
         return f"failure {failure} is not restarted inside the job"
     kind = error.split(":", 1)[0].strip()
     if kind in START_ERRORS:

@@ -156,17 +156,68 @@ srun() {{
 }}"""
 
 
-def step_loop(restarts: int, python: Optional[str] = None) -> list[str]:
+# With hot spares (cluster.spare_nodes=K: sbatch --nodes=N+K --no-kill), lines added to
+# the step function above (K=0 renders it unchanged). Every srun asks for the N training
+# nodes (--nodes, --ntasks: srun would take the job's N+K from the batch environment) with
+# --overlap, and --exclude for the nodes the job's restarts dropped: the old step's record
+# holds its CPUs until Slurm hears from its dead node (seen with Slurm 22.05: without
+# --overlap the next step waits for that). A restart that drops nodes (RESTART's line
+# `exclude=NODES`: every node dropped in this job so far, train/harness/restart.py) ends
+# the old srun itself two polls after the request (its surviving tasks have recorded and
+# exit by then): srun would wait for the dead node's tasks until Slurm declares the node
+# DOWN (SlurmdTimeout), and `scancel --signal=KILL` of the step ends anything left of it
+# (in the background: it answers only after MessageTimeout, waiting for the dead node).
+_SPARE_FUNCTIONS = """\
+sto_drop=  # the nodes this job's restarts dropped (RESTART's exclude=): srun --exclude
+sto_end_step() {{
+  local step
+  step=$(sto_slurm squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null |
+    sed -n 's/^[0-9_]*[.]\\([0-9][0-9]*\\)$/\\1/p' | sort -n | tail -n 1)  # the newest step: this srun's
+  echo "the step asks for a restart without $(sed -n 's/^exclude=//p' "$1/{restart}"):" \\
+    "ending step ${{step:-?}} of job $sto_job" >&2
+  # in the background: scancel answers after MessageTimeout, waiting for the dead node
+  [ -n "$step" ] && {{ sto_slurm scancel --signal=KILL "$SLURM_JOB_ID.$step" 2>/dev/null & }}
+  pkill -KILL -P "$2" 2>/dev/null; kill -KILL "$2" 2>/dev/null
+}}"""
+_SPARE_EDITS = (
+    ("srun() {{\n  local folder=\"${{@: -1}}\" code i=0 pid",
+     "srun() {{\n  local folder=\"${{@: -1}}\" code i=0 pid drop polls"),
+    ("    {restart_env}sto_slurm srun \"$@\" &",
+     "    {restart_env}sto_slurm srun --nodes={nodes} --ntasks={ntasks} --overlap ${{sto_drop:+--exclude=$sto_drop}} "
+     "\"$@\" &"),
+    ("    pid=$!\n", "    pid=$! polls=0\n"),
+    ("      sto_request \"$dir\" && exit 0\n    done",
+     "      sto_request \"$dir\" && exit 0\n"
+     "      grep -q '^exclude=.' \"$dir/{restart}\" 2>/dev/null && polls=$((polls + 1))\n"
+     "      [ \"$polls\" -ge 2 ] && {{ sto_end_step \"$dir\" \"$pid\"; break; }}\n    done"),
+    ("    i=$((i + 1))\n",
+     "    i=$((i + 1))\n    drop=$(sed -n 's/^exclude=//p' \"$dir/{restart}\")\n    sto_drop=${{drop:-$sto_drop}}\n"),
+)
+
+
+def step_loop(restarts: int, python: Optional[str] = None, spares: int = 0, nodes: int = 1,
+              tasks_per_node: int = 1) -> list[str]:
     """The batch script's last setup lines for a training job: the step function above,
     with ``cluster.in_job_restarts=restarts`` (0: the step runs once) and ``python`` (as
-    for :func:`task_python`) to record a failed Slurm call in run.json."""
+    for :func:`task_python`) to record a failed Slurm call in run.json. ``spares``
+    (``cluster.spare_nodes``) > 0: the step runs on ``nodes`` of the job's nodes with
+    ``tasks_per_node`` tasks each, and a restart can drop nodes (:data:`_SPARE_EDITS`)."""
     python = shlex.quote(sys.executable) if python is None else python
-    return ["# the training step (slurm/submitit_adapter.step_loop): does what its tasks ask of Slurm "
+    template = _STEP_LOOP
+    if spares > 0:
+        template = template.replace("srun() {{", _SPARE_FUNCTIONS + "\nsrun() {{", 1)
+        for old, new in _SPARE_EDITS:
+            if old not in template:
+                raise AssertionError(f"step loop template changed: {old!r} not found")
+            template = template.replace(old, new, 1)
+    head = ("# the training step (slurm/submitit_adapter.step_loop): does what its tasks ask of Slurm "
             "(RUN_DIR/SLURM_REQUEST), runs it again while it leaves RUN_DIR/RESTART "
-            f"(cluster.in_job_restarts={int(restarts)})",
-            *_STEP_LOOP.format(restarts=int(restarts), restart=RESTART, request=SLURM_REQUEST, facts=SLURM_JOB,
-                               python=python, restart_env="STO_IN_JOB_RESTART=$i " if int(restarts) > 0 else ""
-                               ).splitlines()]
+            f"(cluster.in_job_restarts={int(restarts)})")
+    if spares > 0:
+        head += f" on {int(nodes)} of the job's nodes (cluster.spare_nodes={int(spares)})"
+    return [head, *template.format(restarts=int(restarts), restart=RESTART, request=SLURM_REQUEST, facts=SLURM_JOB,
+                                   python=python, restart_env="STO_IN_JOB_RESTART=$i " if int(restarts) > 0 else "",
+                                   nodes=int(nodes), ntasks=int(nodes) * int(tasks_per_node)).splitlines()]
 
 
 TASK_WRAPPER = Path(__file__).resolve().with_name("task_wrapper.sh")

@@ -73,6 +73,15 @@ class ClusterConfig:
     # step (an import error, a bad path), nor twice for the same error at the same step
     # (a crash loop). 0 = a failure ends the run. Slurm jobs only.
     in_job_restarts: int = 3
+    # Hot spares: the job asks this many nodes more than it trains on (sbatch
+    # --nodes=nodes+spare_nodes, --no-kill: the job outlives a node's death); the training
+    # step (srun --nodes=nodes --overlap) runs on `nodes` of them. When a node dies or a
+    # failure blames a node (train/harness/badnodes.py), the next in-job restart runs with
+    # a spare in its place and the dead node excluded: same job, no requeue, no wait for
+    # Slurm's SlurmdTimeout (train/harness/restart.py). Once the spares are used up, a
+    # blamed node goes through the exclusion requeue as with 0. 0 = no spares. Slurm jobs
+    # with cluster.in_job_restarts >= 1 only; the spares idle (and are billed) meanwhile.
+    spare_nodes: int = 0
     # Shell lines run in the batch script before srun (module loads, venv activation).
     setup: List[str] = field(default_factory=list)
     # Environment for every task (NCCL_*, etc.); values are shell-quoted in the script.

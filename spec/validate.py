@@ -36,7 +36,8 @@ _POSITIVE = (
 
 # Must be >= 0: 0 means "off" / "none" where the field's comment says so; null is skipped.
 _NON_NEGATIVE = (
-    "cluster.signal_delay_s", "cluster.max_requeues", "cluster.in_job_restarts", "cluster.hang_timeout_s", "cluster.nvlink_domain",
+    "cluster.signal_delay_s", "cluster.max_requeues", "cluster.in_job_restarts", "cluster.spare_nodes",
+    "cluster.hang_timeout_s", "cluster.nvlink_domain",
     "cluster.mem_gb", "cluster.cpus_per_task", "checkpoint.every_steps", "checkpoint.every_minutes",
     "optim.lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "data.seed", "fault.step_delay_s", "fault.kill_in_save_at_step",
     "fault.hang_at_step", "fault.hang_s", "fault.raise_at_step", "fault.raise_every_steps", "fault.slow_async_save_s", "train.gc_every_steps",
@@ -249,6 +250,13 @@ def _check_resources(cfg: RunConfig) -> None:
     if c.mem_gb and c.node_mem_gb and c.mem_gb > c.node_mem_gb:
         raise ConfigError(f"cluster.mem_gb={c.mem_gb} exceeds cluster.node_mem_gb={c.node_mem_gb}, the memory of one "
                           f"node; use cluster.mem_gb<={c.node_mem_gb}, or cluster.mem_gb=0 for all of each node's")
+    if c.spare_nodes > 0 and c.backend != "slurm":
+        raise ConfigError(f"cluster.spare_nodes={c.spare_nodes} with cluster.backend={c.backend}: spare nodes are "
+                          "asked of Slurm; use a Slurm cluster profile or cluster.spare_nodes=0")
+    if c.spare_nodes > 0 and c.in_job_restarts < 1:
+        raise ConfigError(f"cluster.spare_nodes={c.spare_nodes} with cluster.in_job_restarts=0: a spare takes a "
+                          "dead node's place at an in-job restart; set cluster.in_job_restarts>=1 or "
+                          "cluster.spare_nodes=0")
     for key in c.sbatch_extra:
         name = str(key).replace("_", "-")
         if name in ("mem-per-cpu", "mem-per-gpu") and c.mem_gb is not None:

@@ -18,6 +18,11 @@ place in the queue.
    connections, all of them on a hang); srun returns; the batch script finds the file,
    removes it and starts srun again while its own count allows. The new segment resumes
    from the last committed checkpoint, same job id, ``SLURM_RESTART_COUNT`` unchanged.
+   With hot spares (``cluster.spare_nodes``), a failure that blames nodes (a dead node,
+   a hardware fault) is restarted too, without those nodes, while the spares cover every
+   node this job dropped: the entry's ``dropped_nodes``, RESTART's ``exclude=`` line for
+   the step loop's ``srun --exclude`` (which ends the old step itself: srun would wait
+   for the dead node until Slurm declares it DOWN), ``excluded_nodes`` in run.json.
 4. The new segment's rank 0 notes ``restarted_at`` and ``downtime_s`` (failure to the
    new segment's start: :func:`note_start`) and, at its first metrics row,
    ``seconds_lost`` (:func:`note_first_row`): how much later the run did that step than
@@ -33,9 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
+from slurm.env import expand_hostlist
 from slurm.states import restart_refusal
+from spec.config import to_run_config
 from spec.identity import TaskIdentity
-from spec.rundir import RESTART, Status, change_run_json, read_metrics, status_of
+from spec.rundir import (CONFIG, EXCLUDING_FAILURES, RESTART, Status, change_run_json, read_metrics,
+                         read_run_json, status_of)
+from train.harness.badnodes import write_exclude
+from train.harness.node_facts import slurm_names
 
 
 @dataclass
@@ -51,24 +61,33 @@ class Restart:
     segment: int
     watchdog: Any  # train.harness.watchdog.Watchdog
     steps_known: bool = True  # False: a user's code (steps seen only through session.log)
+    spares: Optional[int] = None  # cluster.spare_nodes (None: the run's config.yaml says)
 
     def ask(self, log: Callable[[str], None], rank: Optional[int] = None, node: Optional[str] = None) -> bool:
         """:func:`request` for this task's failure (``rank``/``node``: a hang's stuck rank)."""
         w = self.watchdog
         started = (w.warm or w.step > 0) if self.steps_known else (True if w.warm else None)
-        return request(self.run_dir, self.budget, self.identity, self.segment, w.step + 1, started, log, rank, node)
+        return request(self.run_dir, self.budget, self.identity, self.segment, w.step + 1, started, log, rank, node,
+                       self.spares)
 
 
 def request(run_dir: Path, budget: int, identity: TaskIdentity, segment: int, step: int, started: Optional[bool],
-            log: Callable[[str], None], rank: Optional[int] = None, node: Optional[str] = None) -> bool:
+            log: Callable[[str], None], rank: Optional[int] = None, node: Optional[str] = None,
+            spares: Optional[int] = None) -> bool:
     """After this task recorded a failure of segment ``segment`` at ``step``: True when the
     job restarts it (this task's request, or another task's of the segment). ``rank``,
     ``node``: the failing rank and its host when not this task's own (a hang's stuck rank).
+    ``spares``: ``cluster.spare_nodes`` (None: as the run's config.yaml says); a failure
+    that blames nodes (a dead node, a hardware fault: :data:`spec.rundir.EXCLUDING_FAILURES`)
+    restarts without them while the job's spares cover every node its restarts dropped
+    (:func:`dropped_nodes`).
     False without a step loop (a job submitted without one, torchrun, a local run)."""
     if identity.in_job_restart is None:
         return False
     job = identity.job_id
     decided: Dict[str, Any] = {}
+    if spares is None:  # the config is read only for a failure that blames nodes
+        spares = _spare_nodes(run_dir) if read_run_json(run_dir).get("failure") in EXCLUDING_FAILURES else 0
 
     def change(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         entries: List[Dict[str, Any]] = list(info.get("in_job_restarts") or [])
@@ -78,29 +97,62 @@ def request(run_dir: Path, budget: int, identity: TaskIdentity, segment: int, st
         if status_of(info) is not Status.FAILED:  # requeued without a node, or already over
             return None
         error = str(info.get("error") or "")
-        why = restart_refusal(entries, info.get("failure"), error, step, job, budget, started)
+        drop = dropped_nodes(info, entries, job, spares, lambda hosts: slurm_names(run_dir, hosts))
+        why = restart_refusal(entries, info.get("failure"), error, step, job, budget, started, spare=drop is not None)
         if why is not None:
             decided["why"] = why
             return {"in_job_restart": f"not restarted: {why}"}
         entry = {"job_id": job, "segment": segment, "reason": info.get("failure") or "error", "error": error,
                  "step": step, **_culprit(info, identity, rank, node), "failed_at": time.time(),
                  "restarted_at": None, "seconds_lost": None}
+        fields: Dict[str, Any] = {}
+        if drop is not None:  # a spare takes the blamed nodes' place (the step loop's srun --exclude)
+            entry.update(dropped_nodes=drop[0], excluded_in_job=drop[1], spares_left=spares - len(drop[1]))
+            fields["excluded_nodes"] = sorted(set(info.get("excluded_nodes") or []) | set(drop[0]))
         decided.update(restart=True, entry=entry)
         used = sum(1 for e in entries if e.get("job_id") == job) + 1
-        return {"status": Status.RESTARTING, "in_job_restarts": entries + [entry],
-                "in_job_restart": f"restart {used} of {budget} in job {job}"}
+        return {"status": Status.RESTARTING, "in_job_restarts": entries + [entry], **fields,
+                "in_job_restart": f"restart {used} of {budget} in job {job}" + (
+                    f" without {','.join(drop[0])} (a spare in its place)" if drop else "")}
 
     change_run_json(run_dir, change)
     if "entry" in decided:
         path = Path(run_dir) / RESTART
         tmp = path.with_name(f".{RESTART}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(decided["entry"]) + "\n")
+        entry = decided["entry"]
+        # `exclude=`: every node this job's restarts dropped, for the step loop's srun --exclude
+        tmp.write_text(json.dumps(entry) + "\n" + (f"exclude={','.join(entry['excluded_in_job'])}\n"
+                                                    if entry.get("excluded_in_job") else ""))
         os.replace(tmp, path)
+        if entry.get("dropped_nodes"):  # a later resume (a new job) avoids them too
+            write_exclude(run_dir, sorted(set(entry["excluded_in_job"]) | set(
+                expand_hostlist(to_run_config(Path(run_dir) / CONFIG).cluster.exclude or ""))))
         log(f"segment {segment} failed at step {step}: the job starts its ranks again "
             f"(cluster.in_job_restarts={budget}; run.json in_job_restarts)")
     elif "why" in decided:
         log(f"not restarted inside the job: {decided['why']}")
     return bool(decided.get("restart"))
+
+
+def dropped_nodes(info: Mapping[str, Any], entries: List[Dict[str, Any]], job: str, spares: int,
+                  names: Callable[[List[str]], List[str]]) -> Optional[tuple]:
+    """(nodes this restart drops, every node this job's restarts dropped) when run.json's
+    ``info`` blames nodes for its failure and ``spares`` cover them all, else None.
+    ``names``: Slurm's names of the hosts the ranks saw (node_facts.slurm_names)."""
+    if spares <= 0 or (info.get("failure") or "") not in EXCLUDING_FAILURES or not info.get("suspect_nodes"):
+        return None
+    bad = sorted(set(names(list(info["suspect_nodes"]))))
+    before = {n for e in entries if e.get("job_id") == job for n in e.get("dropped_nodes") or []}
+    every = sorted(before | set(bad))
+    return (bad, every) if len(every) <= spares else None
+
+
+def _spare_nodes(run_dir: Path) -> int:
+    """``cluster.spare_nodes`` of the run's config.yaml (0 without one: a test's run directory)."""
+    try:
+        return to_run_config(Path(run_dir) / CONFIG).cluster.spare_nodes
+    except Exception:  # noqa: BLE001 - no config: no spares; today's path takes the failure
+        return 0
 
 
 def requested(run_dir: str | Path) -> bool:

@@ -64,7 +64,10 @@ class ExitStatus(RuntimeError):
 
 
 def _hostnames(launcher: str) -> list:
-    nodelist = os.environ.get("SLURM_JOB_NODELIST") if launcher == "srun" else None
+    # the step's nodes: with cluster.spare_nodes the job's list holds the spares too
+    nodelist = None
+    if launcher == "srun":
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
     return expand_hostlist(nodelist) if nodelist else [socket.gethostname()]
 
 

@@ -1,0 +1,155 @@
+"""Hot spares (cluster.spare_nodes), without Slurm: the batch script asked for N+K nodes
+and its step loop run by bash with stand-ins for Slurm's client, the validation, and the
+tasks' decision to restart without a blamed node (train/harness/restart.py). On the real
+cluster: tests/test_hot_spares_slurm.py."""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import compose_run
+from launcher.submit import render_script, resources_line
+from slurm import submitit_adapter
+from slurm.states import restart_refusal
+from spec.config import ConfigError, to_run_config, to_yaml
+from spec.layout import build_layout
+from spec.rundir import CONFIG, RESTART, read_run_json, update_run_json
+from spec.validate import validate
+from test_in_job_restart import Beats, identity, started_segment
+from test_sbatch import RUN_DIR, WRAPPER, sbatch_flags
+from train.harness.restart import Restart, dropped_nodes
+
+SPARE = ["+cluster=localslurm", "cluster.nodes=2", "cluster.spare_nodes=1"]
+
+
+def script_of(overrides) -> str:
+    cfg = compose_run(overrides)
+    validate(cfg)
+    return render_script(cfg, build_layout(cfg), RUN_DIR, python="/opt/venv/bin/python", wrapper=WRAPPER)
+
+
+def test_the_job_asks_for_the_spares_and_the_step_for_the_training_nodes():
+    script = script_of(SPARE)
+    flags = sbatch_flags(script)
+    assert flags["--nodes"] == "3" and "--no-kill" in flags and flags["--ntasks-per-node"] == "2"
+    assert "sto_slurm srun --nodes=2 --ntasks=4 --overlap ${sto_drop:+--exclude=$sto_drop} \"$@\" &" in script
+    assert "(cluster.spare_nodes=1)" in script
+    plain = script_of(["+cluster=localslurm", "cluster.nodes=2"])  # K=0: no trace of spares
+    assert "--no-kill" not in sbatch_flags(plain) and sbatch_flags(plain)["--nodes"] == "2"
+    assert "sto_drop" not in plain and "--overlap" not in plain
+    assert submitit_adapter.step_loop(3, "py") == submitit_adapter.step_loop(3, "py", 0, 2, 8)
+
+
+def test_gpu_binding_task_asks_a_task_count_with_the_spares():
+    flags = sbatch_flags(script_of(["+cluster=h100x8", "cluster.nodes=2", "cluster.spare_nodes=1",
+                                    "cluster.gpu_binding=task", "+model=llama3_8b", "+strategy=ddp"]))
+    assert flags["--nodes"] == "3" and flags["--ntasks"] == "24"
+
+
+def test_the_dry_run_names_the_spares():
+    line = resources_line(compose_run(SPARE))
+    assert "nodes: 3 = 2 training + 1 spare (cluster.spare_nodes=1: sbatch --nodes=3 --no-kill, srun --nodes=2)" in line
+    assert "spare" not in resources_line(compose_run(["+cluster=localslurm"]))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["cluster.spare_nodes=-1", "+cluster=localslurm"], "cluster.spare_nodes=-1 must be >= 0"),
+    (["cluster.spare_nodes=1"], "cluster.spare_nodes=1 with cluster.backend=local"),
+    (SPARE + ["cluster.in_job_restarts=0"], "cluster.spare_nodes=1 with cluster.in_job_restarts=0"),
+])
+def test_spares_that_make_no_sense_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as exc:
+        validate(compose_run(overrides))
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_blamed_node_is_restarted_without_while_spares_cover_it():
+    names = lambda hosts: hosts  # noqa: E731 - Slurm's names as the hosts
+    info = {"failure": "node_failure", "suspect_nodes": ["node2"]}
+    assert dropped_nodes(info, [], "41", 1, names) == (["node2"], ["node2"])
+    assert dropped_nodes(info, [], "41", 0, names) is None  # no spares: today's requeue
+    assert dropped_nodes({"failure": "rank_failure", "suspect_nodes": ["node2"]}, [], "41", 1, names) is None
+    earlier = [{"job_id": "41", "dropped_nodes": ["node1"]}]
+    assert dropped_nodes(info, earlier, "41", 1, names) is None  # the one spare is used up
+    assert dropped_nodes(info, earlier, "41", 2, names) == (["node2"], ["node1", "node2"])
+    assert dropped_nodes(info, [{"job_id": "40", "dropped_nodes": ["node1"]}], "41", 1, names) == (
+        ["node2"], ["node2"])  # an earlier job's spares were its own
+    assert restart_refusal([], "node_failure", "RuntimeError: reset", 7, "41", 3, True, spare=True) is None
+    assert "not restarted inside the job" in restart_refusal([], "node_failure", "RuntimeError: reset", 7, "41", 3,
+                                                             True)
+
+
+@pytest.fixture
+def no_slurm(monkeypatch):
+    for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_dead_node_asks_a_restart_on_the_spare_and_records_it(tmp_path, no_slurm):
+    """Rank 0 found its peer's node dead (node_failure, node2 blamed): with a spare, an
+    in-job restart without node2 (its entry, excluded_nodes, the config's exclude for a
+    later resume, RESTART's exclude= line for the step loop); a second dead node, with
+    the spare used up, is not restarted inside the job (today's requeue takes it)."""
+    (tmp_path / CONFIG).write_text(to_yaml(compose_run(SPARE)))
+    log = logging.getLogger("test_hot_spares")
+    for segment, node in ((0, "node2"), (1, "node3")):
+        started_segment(tmp_path, segment)
+        (tmp_path / RESTART).unlink(missing_ok=True)
+        # what record_failure leaves once the heartbeats blamed the node
+        update_run_json(tmp_path, status="failed", error=f"RuntimeError: [gloo] reset at segment {segment}",
+                        failure="node_failure", suspect_nodes=[node], dead_ranks=[2, 3], dead_hosts=[node])
+        Restart(tmp_path, 3, identity(0, restart=segment), segment, Beats(12)).ask(log.error)  # spares: config.yaml
+        info = read_run_json(tmp_path)
+        if segment == 0:
+            assert info["status"] == "restarting" and info["in_job_restart"].endswith("without node2 (a spare in "
+                                                                                     "its place)")
+            [entry] = info["in_job_restarts"]
+            assert entry["dropped_nodes"] == ["node2"] and entry["spares_left"] == 0 and entry["rank"] == 2
+            assert info["excluded_nodes"] == ["node2"]
+            assert (tmp_path / RESTART).read_text().splitlines()[-1] == "exclude=node2"
+            assert to_run_config(tmp_path / CONFIG).cluster.exclude == "node2"
+    assert len(info["in_job_restarts"]) == 1 and not (tmp_path / RESTART).exists()
+    assert info["status"] == "failed" and info["in_job_restart"] == (
+        "not restarted: failure node_failure is not restarted inside the job")
+
+
+# A stand-in for srun: the first step's tasks ask a restart without node2 and the step then
+# waits (as srun does for a dead node's tasks); the next one ends at once.
+FAKE_SRUN = """#!/bin/bash
+echo "${STO_IN_JOB_RESTART:-unset} $*" >> "$CALLS"
+if [ "$(wc -l < "$CALLS")" -eq 1 ]; then
+  printf '{"step": 7}\\nexclude=node2\\n' > "$MARK"
+  exec sleep 60
+fi
+exit 0
+"""
+
+
+def test_the_step_loop_ends_a_step_that_waits_for_a_dead_node_and_excludes_it(tmp_path):
+    cfg = compose_run(SPARE)
+    run_dir = tmp_path / "run dir"
+    (run_dir / "slurm").mkdir(parents=True)
+    script = render_script(cfg, build_layout(cfg), run_dir, python="python", wrapper="/w.sh")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    client = "#!/bin/bash\necho \"$(basename \"$0\") $*\" >> \"$CALLS.slurm\"\n"
+    squeue = client + "printf '41.batch\\n41.0\\n'\n"
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", client), ("sinfo", client), ("squeue", squeue),
+                       ("scancel", client)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
+           "MARK": str(run_dir / RESTART), "SLURM_JOB_ID": "41"}
+    proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=50)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert proc.returncode == 0, proc.stderr
+    assert len(calls) == 2 and calls[0].startswith("0 --nodes=2 --ntasks=4 --overlap --unbuffered"), calls
+    assert calls[1].startswith("1 --nodes=2 --ntasks=4 --overlap --exclude=node2 --unbuffered"), calls
+    assert "ending step 0 of job 41" in proc.stderr and "restart 1 of 3 inside job 41" in proc.stderr
+    slurm_calls = Path(f"{tmp_path / 'calls'}.slurm").read_text()
+    assert "squeue -h -s -j 41 -o %i" in slurm_calls
