@@ -9,8 +9,8 @@ line a row, and ``DIR/gpu_check.md``, the table so far), so a run stopped by its
 slot still leaves what it did. Rows (one GPU is enough):
 
 - ``engine/S``: every engine at world 1 on NCCL and bf16 (ddp, fsdp, zero1, zero2, zero3,
-  zero3_offload; tp and pp at degree 1): the run completes, run.json says backend nccl,
-  the loss falls;
+  zero3_offload; tp and pp at degree 1): the run completes, run.json says backend nccl
+  and matmul tf32, the loss falls;
 - ``binding/node``, ``binding/task``: a task with LOCAL_RANK 3 that sees one GPU
   (CUDA_VISIBLE_DEVICES of one device): binding ``task`` takes cuda:0 and trains under
   ZeRO-2 (DeepSpeed sets its device from LOCAL_RANK unless told); binding ``node`` is
@@ -97,6 +97,8 @@ def trained(row: Row, proc: subprocess.CompletedProcess) -> str:
     info, losses = _run_json(row.run_dir), _losses(row.run_dir)
     if info.get("backend") != "nccl":
         return f"backend {info.get('backend')!r} in run.json, not nccl"
+    if info.get("matmul") != "tf32":  # strategy.tf32's default, set on CUDA
+        return f"matmul {info.get('matmul')!r} in run.json, not tf32"
     if len(losses) < 2:
         return f"{len(losses)} losses in metrics.jsonl"
     first, last = losses[min(losses)], losses[max(losses)]
