@@ -34,7 +34,7 @@ CASES = [
     ("fsdp_grad_op", (1, 2), ["train.grad_accum=2"]),
     ("fsdp_grad_op", (1, 4), []),
     ("hsdp", (2, 1), []),  # 2 replicas x 1 shard
-    ("hsdp", (2, 2), []),  # 2 replicas x 2 shards
+    ("hsdp", (2, 2), ["train.grad_accum=2"]),  # 2 replicas x 2 shards; all-reduced at the last micro-batch
     ("zero1", (1, 2), ["strategy.zero_stage=0", "strategy.name=zero0"]),
     ("zero1", (1, 2), []),
     ("zero1", (1, 4), []),

@@ -194,7 +194,8 @@ class DCPState(DeviceMemory):
 class TorchEngine(DCPState):
     """Forward/backward over the micro-batches of one step, clip, optimizer step.
 
-    ``no_sync`` (DDP) skips the gradient all-reduce for all but the last micro-batch.
+    ``no_sync`` (DDP) skips the gradient all-reduce for all but the last micro-batch;
+    ``accumulating`` (HSDP) is told before each micro-batch whether it is the step's last.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig,
@@ -206,6 +207,7 @@ class TorchEngine(DCPState):
         self.grad_clip = cfg.optim.grad_clip
         self.dtype = compute_dtype(cfg, device)
         self._no_sync = no_sync
+        self.accumulating: Optional[Callable[[bool], None]] = None
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype == torch.float32:
@@ -220,6 +222,8 @@ class TorchEngine(DCPState):
         for i, (inputs, targets) in enumerate(batches):
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if (last or self._no_sync is None) else self._no_sync()
+            if self.accumulating is not None:
+                self.accumulating(last)
             with sync:
                 with self._autocast():
                     logits = self.module(inputs.to(self.device, non_blocking=True))

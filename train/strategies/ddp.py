@@ -37,7 +37,9 @@ def settle_buckets(wrapped: DDP, cfg: RunConfig, ctx: DistContext) -> None:
 def wrap_ddp(module: nn.Module, ctx: DistContext, mesh, **options) -> DDP:
     """DDP over the data-parallel ranks of ``mesh`` (also a pipeline stage's wrapper)."""
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DDP(module, device_ids=device_ids, gradient_as_bucket_view=True,
+    # broadcast_buffers=False: the only buffer, the RoPE table, is computed alike on every
+    # rank; DDP would otherwise broadcast it from rank 0 before every forward.
+    return DDP(module, device_ids=device_ids, gradient_as_bucket_view=True, broadcast_buffers=False,
                process_group=data_parallel_mesh(mesh).get_group(), **options)
 
 

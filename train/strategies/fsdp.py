@@ -74,4 +74,7 @@ class FSDPBuilder(EngineBuilder):
         # would only add casts. Gradient accumulation needs no no_sync: each micro-batch's
         # reduce-scatter adds into the sharded gradient, which keeps memory at 1/N.
         engine.dtype = torch.float32
+        if self.layout.dp_replicate_enabled:  # HSDP: the replicas all-reduce once a step, at its last
+            # micro-batch (FSDP keeps the earlier ones' reduce-scattered sums until then)
+            engine.accumulating = parts[0].set_requires_all_reduce
         return engine
