@@ -86,8 +86,7 @@ def request(run_dir: Path, budget: int, identity: TaskIdentity, segment: int, st
         return False
     job = identity.job_id
     decided: Dict[str, Any] = {}
-    if spares is None:  # the config is read only for a failure that blames nodes
-        spares = _spare_nodes(run_dir) if read_run_json(run_dir).get("failure") in EXCLUDING_FAILURES else 0
+    spares = _spare_nodes(run_dir) if spares is None else spares
 
     def change(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         entries: List[Dict[str, Any]] = list(info.get("in_job_restarts") or [])
@@ -148,7 +147,10 @@ def dropped_nodes(info: Mapping[str, Any], entries: List[Dict[str, Any]], job: s
 
 
 def _spare_nodes(run_dir: Path) -> int:
-    """``cluster.spare_nodes`` of the run's config.yaml (0 without one: a test's run directory)."""
+    """``cluster.spare_nodes`` of the run's config.yaml, read only when run.json's failure
+    blames nodes (0 otherwise, or without a config: a test's run directory)."""
+    if read_run_json(run_dir).get("failure") not in EXCLUDING_FAILURES:
+        return 0
     try:
         return to_run_config(Path(run_dir) / CONFIG).cluster.spare_nodes
     except Exception:  # noqa: BLE001 - no config: no spares; today's path takes the failure
