@@ -9,7 +9,7 @@ tasks), as a crash would, and leaves it dead until the run trains again:
   (train/harness/restart.py, docs/faults.md "Hot spares");
 - ``--compare`` also runs it with no spare: the requeue without the node
   (train/harness/badnodes.py), whose job cannot start before Slurm declares the node DOWN
-  (SlurmdTimeout, 60 s on the local cluster).
+  (SlurmdTimeout: 120 s on the local cluster, slurm/cluster/templates/slurm.conf.in).
 
 Per run, from the kill (time.time() here; the cluster runs on this machine): the
 decision (run.json's restart entry ``failed_at``, or the exclusion's ``time``), the new

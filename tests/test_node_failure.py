@@ -8,7 +8,7 @@ release). The node is then started again, idle, yet the requeued job runs on oth
 nodes and resumes from the last checkpoint.
 
 Seen here (Slurm 22.05): left dead, the node holds the requeued job in COMPLETING until
-Slurm declares it DOWN (SlurmdTimeout=60): starting it again while the job waits ends
+Slurm declares it DOWN (SlurmdTimeout, 120 s here): starting it again while the job waits ends
 that at once (the whole test then takes about 45 s).
 """
 from __future__ import annotations
