@@ -82,6 +82,10 @@ def deepspeed_config(cfg: RunConfig, dp_size: int, device_type: str) -> Dict[str
         # 0 disables clipping, as optim.grad_clip=0 does for the torch engine.
         "gradient_clipping": float(cfg.optim.grad_clip),
         "bf16": {"enabled": use_bf16(s.mixed_precision, device_type)},
+        # Gradients reduced (ZeRO-1/2's all-reduce or reduce-scatter, ZeRO-3's reduce-scatter)
+        # in fp32, as FSDP's reduce_dtype (train/strategies/fsdp.py): DeepSpeed's default under
+        # bf16 is bf16, whose sum over many ranks loses precision. Twice the bytes on the wire.
+        "communication_data_type": "fp32",
         "zero_optimization": zero,
         # The client optimizer is torch AdamW (same maths as the torch strategies, no
         # compiled extension); ZeRO calls it "untested" and offload would insist on its

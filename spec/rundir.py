@@ -116,7 +116,10 @@ class MetricsRow(MappingABC):
     step_time_s: Optional[float] = None
     tokens_per_s: Optional[float] = None
     samples_per_s: Optional[float] = None
+    # the busiest rank's peak: on CUDA allocated during this step, on CPU the RSS high-water mark
     peak_mem_bytes: Optional[int] = None
+    # on CUDA: the busiest rank's peak held by the caching allocator during this step (what runs out)
+    peak_reserved_bytes: Optional[int] = None
     mfu: Optional[float] = None  # written as null when the cluster has no peak FLOP/s
     global_batch_size: Optional[int] = None
     tokens_per_step: Optional[int] = None

@@ -31,7 +31,9 @@ def test_batch_accumulation_clipping_and_precision_come_from_the_run():
 @pytest.mark.parametrize("mode,device,bf16", [("auto", "cuda", True), ("auto", "cpu", False), ("fp32", "cuda", False),
                                               ("bf16", "cpu", True)])
 def test_precision(mode, device, bf16):
-    assert _ds(["+strategy=zero1", f"strategy.mixed_precision={mode}"], device=device)["bf16"]["enabled"] is bf16
+    ds = _ds(["+strategy=zero1", f"strategy.mixed_precision={mode}"], device=device)
+    assert ds["bf16"]["enabled"] is bf16
+    assert ds["communication_data_type"] == "fp32"  # gradients reduced in fp32 whatever the compute, as FSDP's
 
 
 def test_buckets_scale_with_the_model():

@@ -20,7 +20,7 @@ from train.evaluate import Evaluator, perplexity
 from train.data import ShardedLoader, file_dtype, token_file
 from train.harness.run import Task
 from train.harness.watchdog import COLLECTIVE
-from train.metrics import mfu
+from train.metrics import mfu, reset_peaks
 from train.model import build_model
 from train.parallelize import parallelize
 from train.strategies.base import Engine
@@ -109,6 +109,7 @@ class Agreed:
     loss: float  # of the global batch
     grad_norm: float
     peak_mem: int  # the busiest rank's peak
+    peak_reserved: Optional[int]  # the busiest rank's allocator peak (CUDA; None elsewhere)
     preempted: bool  # some rank got a signal
     save_due: bool  # rank 0 asked for a checkpoint (minutes elapsed, or SAVE_NOW)
 
@@ -120,8 +121,9 @@ def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm:
     branch after it. Sums run in rank order on every rank: unlike an all-reduce, whose
     summation order may vary, the logged loss is bitwise reproducible."""
     ctx, flag = task.ctx, task.flag
-    local = torch.tensor([loss.item(), grad_norm.item(), engine.peak_memory_bytes(), flag.code, float(save_due)],
-                         dtype=torch.float64, device=loss.device)
+    reserved = engine.peak_reserved_bytes()
+    local = torch.tensor([loss.item(), grad_norm.item(), engine.peak_memory_bytes(), flag.code, float(save_due),
+                          -1.0 if reserved is None else reserved], dtype=torch.float64, device=loss.device)
     gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
     task.faults.at_step_end(step, task.watchdog)
     task.watchdog.phase(COLLECTIVE, step)
@@ -131,6 +133,7 @@ def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm:
     flag.agreed_requeue = bool(table[:, 3].max() >= 2)  # some rank got the user signal
     agreed = Agreed(loss=float(table[:, 0].sum() / ctx.world_size),
                     grad_norm=float(table[:, 1].sum() / ctx.world_size), peak_mem=int(table[:, 2].max()),
+                    peak_reserved=None if table[:, 5].max() < 0 else int(table[:, 5].max()),
                     preempted=bool(table[:, 3].any()), save_due=bool(table[:, 4].any()))
     if not math.isfinite(agreed.loss):
         raise FloatingPointError(f"loss is {agreed.loss} at step {step + 1}; lower optim.lr")
@@ -171,7 +174,7 @@ class Meter:
             val_loss=val, val_ppl=None if val is None else perplexity(val),
             step=step + 1, loss=agreed.loss, lr=lr, grad_norm=agreed.grad_norm, step_time_s=dt,
             tokens_per_s=self.tokens_per_step / dt, samples_per_s=self.global_batch / dt,
-            peak_mem_bytes=agreed.peak_mem,
+            peak_mem_bytes=agreed.peak_mem, peak_reserved_bytes=agreed.peak_reserved,
             mfu=mfu(self.tokens_per_step / dt, self.flops_token, self.peak, self.n_gpus),
             global_batch_size=self.global_batch, tokens_per_step=self.tokens_per_step,
             world_size=self.world_size, segment=segment, time=time.time(),
@@ -189,6 +192,7 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
     for step in range(first, cfg.train.steps):
         if cfg.train.gc_every_steps > 0 and step % cfg.train.gc_every_steps == 0:
             gc.collect(1)
+        reset_peaks(ctx.device)  # each row's memory is its own step's (not preflight's, build's, eval's)
         t0 = time.perf_counter()
         task.watchdog.phase("compute", step)
         lr = lr_at(step, cfg, peak)

@@ -28,7 +28,8 @@ from launcher.plan.costmodel import (MFU, NODE_FACTORS, Candidate, StepTime, can
                                      nearest_runnable, step_time)
 from launcher.plan.gate import check_fits  # noqa: F401  (the gate, for callers of the planner)
 from launcher.plan.gate import gb as _gb
-from launcher.plan.memory import AC_MODES, GB, Memory, compute_bytes, estimate, host_budget
+from launcher.plan.memory import (AC_MODES, CUDA_OVERHEAD, FRAGMENTATION, GB, Memory, compute_bytes, estimate,
+                                  host_budget)
 from launcher.compose import PointComposer, expand, standalone
 from launcher.overrides import CONF_DIR, check_overrides, group_options, split_args
 from spec.config import ConfigError, RunConfig
@@ -164,6 +165,9 @@ def strategy_table(rows: List[Tuple[str, RunConfig, object]]) -> List[str]:
                          f"per node{have}")
         if mem.init_bytes >= mem.total_bytes:  # the start-up peak is the larger one
             lines.append(f"{'':<15}peak at start-up: {'; '.join(mem.notes) or 'model materialised'}")
+    if any(cfg.cluster.accelerator == "gpu" for _, cfg, _ in rows):
+        lines.append(f"overh: {CUDA_OVERHEAD / GB:g} GB a GPU for the CUDA context, cuBLAS and NCCL + "
+                     f"{FRAGMENTATION:.0%} for fragmentation: assumptions, not yet measured on a GPU")
     return lines
 
 

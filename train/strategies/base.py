@@ -32,7 +32,7 @@ from torch import nn
 from spec.config import OptimConfig, RunConfig
 from spec.layout import Layout
 from train.harness.dist import DistContext
-from train.metrics import peak_memory_bytes
+from train.metrics import peak_memory_bytes, peak_reserved_bytes
 from train.strategies.vocab_parallel import is_vocab_sharded, vocab_parallel_cross_entropy
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
@@ -109,7 +109,10 @@ class Engine(Protocol):
         """Read what :meth:`save_native` wrote (DeepSpeed only)."""
 
     def peak_memory_bytes(self) -> int:
-        """This rank's peak memory so far, what the metrics report as ``peak_mem_bytes``."""
+        """This rank's peak memory (on CUDA since the step began), the metrics' ``peak_mem_bytes``."""
+
+    def peak_reserved_bytes(self) -> Optional[int]:
+        """The caching allocator's peak since the step began (None off CUDA), ``peak_reserved_bytes``."""
 
 
 class EngineBuilder:
@@ -150,6 +153,9 @@ class DeviceMemory:
 
     def peak_memory_bytes(self) -> int:
         return peak_memory_bytes(self.device)
+
+    def peak_reserved_bytes(self) -> Optional[int]:
+        return peak_reserved_bytes(self.device)
 
 
 def state_dict_options():

@@ -7,6 +7,7 @@ the weights, because it broadcasts rank 0's parameters when constructed.
 """
 from __future__ import annotations
 
+import inspect
 from typing import List
 
 import torch
@@ -37,10 +38,17 @@ def settle_buckets(wrapped: DDP, cfg: RunConfig, ctx: DistContext) -> None:
 def wrap_ddp(module: nn.Module, ctx: DistContext, mesh, **options) -> DDP:
     """DDP over the data-parallel ranks of ``mesh`` (also a pipeline stage's wrapper)."""
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    # broadcast_buffers=False: the only buffer, the RoPE table, is computed alike on every
-    # rank; DDP would otherwise broadcast it from rank 0 before every forward.
-    return DDP(module, device_ids=device_ids, gradient_as_bucket_view=True, broadcast_buffers=False,
+    return DDP(module, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync(),
                process_group=data_parallel_mesh(mesh).get_group(), **options)
+
+
+def no_buffer_sync() -> dict:
+    """DDP's option that stops it broadcasting the buffers from rank 0 before every forward:
+    the only buffer, the RoPE table, is computed alike on every rank. torch 2.13 renamed it
+    (``forward_sync_buffers``; ``broadcast_buffers`` warns there), 2.11 knows the old name."""
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 class DDPBuilder(EngineBuilder):
