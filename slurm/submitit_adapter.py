@@ -99,7 +99,10 @@ def requeue_if_signalled(max_requeues: int) -> list[str]:
 #    does what a task asked in RUN_DIR/SLURM_REQUEST (slurm/request.py: requeue, requeue
 #    without nodes, cancel; taken by a rename, so done once): the tasks call no Slurm
 #    client, and a dead node's step (srun waits for it until Slurm declares it DOWN) is
-#    requeued at once. A request done ends the script: Slurm requeues or ends the job;
+#    requeued at once. A request done ends the script: Slurm requeues or ends the job.
+#    Before a requeue the step's srun is killed: one still waiting on a dead node was seen
+#    to outlive the requeue and, timing out, cancel "step N.0" of the job id, by then the
+#    requeued job's own first step (test_node_failure's job ended FAILED on its new nodes);
 # 3. starts the step again while it left RUN_DIR/RESTART (a task's request: its failure
 #    is one to restart; train/harness/restart.py) and restarts are left. srun returns
 #    once every task of the step has ended, so the old step's processes are gone when the
@@ -121,6 +124,9 @@ sto_request() {{
   nodes=$(sed -n 's/^exclude=//p' "$taken")
   reason=$(sed -n 's/^reason=//p' "$taken")
   echo "the step asks: $action job $sto_job${{nodes:+ without $nodes}} ($reason)" >&2
+  if [ -n "$2" ] && [ "$action" != cancel ]; then  # the step's srun, still running: gone before the requeue
+    pkill -KILL -P "$2" 2>/dev/null; kill -KILL "$2" 2>/dev/null; wait "$2" 2>/dev/null
+  fi
   case $action in
     requeue) out=$(sto_slurm scontrol requeue "$sto_job" 2>&1) || {{ sto_failed "$1" requeue "$out"; return 1; }} ;;
     exclude)
@@ -144,7 +150,7 @@ srun() {{
     while kill -0 "$pid" 2>/dev/null; do
       sleep 1 & wait -n
       kill $! 2>/dev/null
-      sto_request "$dir" && exit 0
+      sto_request "$dir" "$pid" && exit 0
     done
     wait "$pid"
     code=$?
@@ -186,8 +192,8 @@ _SPARE_EDITS = (
      "    {restart_env}sto_slurm srun --nodes={nodes} --ntasks={ntasks} --overlap ${{sto_drop:+--exclude=$sto_drop}} "
      "\"$@\" &"),
     ("    pid=$!\n", "    pid=$! polls=0\n"),
-    ("      sto_request \"$dir\" && exit 0\n    done",
-     "      sto_request \"$dir\" && exit 0\n"
+    ("      sto_request \"$dir\" \"$pid\" && exit 0\n    done",
+     "      sto_request \"$dir\" \"$pid\" && exit 0\n"
      "      grep -q '^exclude=.' \"$dir/{restart}\" 2>/dev/null && polls=$((polls + 1))\n"
      "      [ \"$polls\" -ge 2 ] && {{ sto_end_step \"$dir\" \"$pid\"; break; }}\n    done"),
     ("    i=$((i + 1))\n",

@@ -118,12 +118,14 @@ def run_script(tmp_path: Path, overrides=(), array: bool = False, **env):
     return proc.returncode, (tmp_path / "log").read_text().splitlines(), proc.stderr, run_dir
 
 
-def test_a_requeue_is_done_while_the_step_still_runs(tmp_path):
+def test_a_requeue_is_done_while_the_step_still_runs_and_its_srun_ended_first(tmp_path):
+    """The fake srun waits until it sees the requeue: the script must not wait for it, and
+    it kills srun before the requeue (a late srun would cancel the requeued job's step)."""
     code, calls, err, run_dir = run_script(tmp_path, ASK="action=requeue\\nexclude=\\nreason=preemption\\n",
                                            WAIT_FOR="scontrol requeue")
     assert code == 0, err
     assert calls[:2] == ["scontrol show job -o 41", "sinfo -h -N -p debug -o %N|%t|%f"]
-    assert calls[2].startswith("srun ") and calls[3:] == ["scontrol requeue 41", "srun saw scontrol requeue"]
+    assert calls[2].startswith("srun ") and calls[3:] == ["scontrol requeue 41"]  # srun never saw it: gone before
     assert "the step asks: requeue job 41 (preemption)" in err
     assert not (run_dir / SLURM_REQUEST).exists()
     # the facts for the tasks: EndTime in epoch seconds (SLURM_TIME_FORMAT=%s), the partition's nodes
