@@ -30,10 +30,12 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slurm_whole, pytest.mark.slow]  # r
 
 
 def test_preflight_outlier_then_hardware_fault_are_excluded_by_automatic_requeues(tmp_path, slurm_cluster):
-    proc = launcher(["+cluster=localslurm", "cluster.nodes=2", "train.steps=12", "checkpoint.every_steps=2",
+    # one rank a node: rank 1 is the second node's
+    proc = launcher(["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=1", "train.steps=12",
+                     "checkpoint.every_steps=2",
                      "train.preflight=true", "train.preflight_exclude=true", "train.preflight_outlier=0.1",
-                     "fault.preflight_slow_rank=2", "fault.preflight_slow_s=8",
-                     "fault.hardware_fault_rank=2", "fault.hardware_fault_at_step=5", "fault.hardware_fault_restart=1"],
+                     "fault.preflight_slow_rank=1", "fault.preflight_slow_s=8",
+                     "fault.hardware_fault_rank=1", "fault.hardware_fault_at_step=5", "fault.hardware_fault_restart=1"],
                     cwd=tmp_path, env=slurm_cluster, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = run_dir_of(proc.stdout)

@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slurm_whole, pytest.mark.slow]  # k
 
 
 def test_a_spare_takes_a_dead_nodes_place_inside_the_job(tmp_path, slurm_cluster):
-    proc = launcher(["+cluster=localslurm", "cluster.nodes=2", "cluster.spare_nodes=1", "train.steps=40",
+    proc = launcher(["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=1", "cluster.spare_nodes=1",
+                     "train.steps=40",
                      "fault.step_delay_s=0.3", "checkpoint.every_steps=5"], cwd=tmp_path, env=slurm_cluster,
                     timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
