@@ -131,8 +131,8 @@ def test_hostile_names_reach_the_job_quoted(tmp_path, slurm_cluster):
 
 def test_hang_on_two_nodes_names_the_node(tmp_path, slurm_cluster):
     # cluster.in_job_restarts=0: the hang ends the run (restarted: tests/test_in_job_restart_slurm.py)
-    proc = launcher(["+cluster=localslurm", "cluster.nodes=2", "train.steps=50", "cluster.hang_timeout_s=5",
-                     "fault.hang_rank=3", "fault.hang_at_step=3", "cluster.in_job_restarts=0", "launcher.wait=true"],
+    proc = launcher(["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=1", "train.steps=50",
+                     "cluster.hang_timeout_s=5", "fault.hang_rank=1", "fault.hang_at_step=3", "cluster.in_job_restarts=0", "launcher.wait=true"],
                     cwd=tmp_path, env=slurm_cluster, timeout=300)
     assert proc.returncode != 0
     run_dir = run_dir_of(proc.stdout)
@@ -140,5 +140,5 @@ def test_hang_on_two_nodes_names_the_node(tmp_path, slurm_cluster):
 
     report = json.loads((run_dir / "hang.json").read_text())
     hosts = read_run_json(run_dir)["hostnames"]  # one per node, in rank order (node2 or node4: the suite's pair)
-    assert report["stuck_ranks"] == [3] and report["stuck_hosts"] == [hosts[1]], (report, hosts)
+    assert report["stuck_ranks"] == [1] and report["stuck_hosts"] == [hosts[1]], (report, hosts)
     assert read_run_json(run_dir)["failure"] == "hang"
