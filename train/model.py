@@ -2,23 +2,23 @@
 
 Built on the meta device (no memory), parallelised, then materialised once by
 :func:`materialise` (``to_empty`` + :meth:`Transformer.init_weights`), as torchtitan does. Initialisation
-draws from an explicit generator so every rank (and a single-process reference) gets
-the same weights.
+draws each block of a weight from its own counter-based stream (train/initial.py), so
+every rank (and a single-process reference) gets the same weights and draws only its part.
 """
 from __future__ import annotations
 
 import math
-import zlib
-from typing import Iterable, Iterator, Optional, Tuple
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from spec.config import ModelConfig, RopeScaling
 # Pure size arithmetic lives in spec/model_size.py so the torch-free planner shares it.
 from spec.model_size import count_params, ffn_hidden_dim  # noqa: F401  (re-exported)
+from train.initial import fill_initial, local_runs
 
 
 class RMSNorm(nn.Module):
@@ -143,96 +143,6 @@ def clean_name(name: str) -> str:
     return name
 
 
-def initial_std(cfg: ModelConfig, name: str) -> Optional[float]:
-    """The standard deviation a weight is drawn with; None: a norm's weight, set to ones."""
-    if name.endswith("norm.weight"):
-        return None
-    if name == "tok_embeddings.weight":
-        return 1.0 if not cfg.tie_embeddings else 0.02
-    if name == "output.weight":
-        return cfg.dim ** -0.5
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-        return 0.02 / math.sqrt(2 * cfg.n_layers)
-    return 0.02
-
-
-def initial_tensor(cfg: ModelConfig, name: str, shape: tuple, seed: int,
-                   rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-    """The initial value of weight ``name`` (fp32, CPU), the same for every layout; with
-    ``rows`` = (lo, hi) only those rows of it, drawn without the rest (see :func:`_row_chunks`)."""
-    if rows is None and initial_std(cfg, name) is not None:
-        gen = _generator(name, seed)
-        return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(initial_std(cfg, name))
-    pieces = [t for _, t in initial_chunks(cfg, name, shape, seed, rows or (0, shape[0]))]
-    return torch.cat(pieces) if pieces else torch.empty((0, *shape[1:]))
-
-
-def _generator(name: str, seed: int) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-
-
-def initial_chunks(cfg: ModelConfig, name: str, shape: tuple, seed: int,
-                   rows: Tuple[int, int]) -> Iterator[Tuple[int, torch.Tensor]]:
-    """Rows ``rows`` = (lo, hi) of weight ``name``'s initial value, as (first row, values)
-    pieces in order, each a few MB: a rank fills its shard piece by piece, never holding
-    more than one piece beside it. Rows after ``hi`` are not drawn."""
-    lo, hi = rows
-    std = initial_std(cfg, name)
-    if std is None:
-        if hi > lo:
-            yield lo, torch.ones((hi - lo, *shape[1:]))
-        return
-    gen = _generator(name, seed)
-    for start, end in _row_chunks(shape[0], math.prod(shape[1:])):
-        if start >= hi:
-            return  # the rest of the stream is other ranks' rows
-        chunk = torch.randn((end - start, *shape[1:]), generator=gen, dtype=torch.float32)
-        if end > lo:
-            yield max(lo, start), chunk[max(lo, start) - start:min(hi, end) - start].mul_(std)
-
-
-def copy_flat(out: torch.Tensor, pieces: Iterable[Tuple[int, torch.Tensor]], row: int, start: int) -> None:
-    """Copy the elements ``start .. start + out.numel()`` of a flattened weight into the 1-D
-    ``out`` from its (first row, rows) ``pieces`` (ZeRO-3's partition of a parameter is a
-    flat range of it; elements past the weight's end stay as they are: padding)."""
-    end = start + out.numel()
-    for first_row, rows in pieces:
-        flat, first = rows.reshape(-1), first_row * row
-        lo, hi = max(start, first), min(end, first + flat.numel())
-        if hi > lo:
-            out[lo - start:hi - start].copy_(flat[lo - first:hi - first])
-
-
-def _row_chunks(n_rows: int, row: int, target: int = 1 << 22) -> Iterator[Tuple[int, int]]:
-    """Row ranges of about ``target`` elements whose draws, one after another from one
-    generator, equal one draw of the whole tensor: CPU ``normal_`` fills blocks of 16
-    values, so every chunk but the last holds a multiple of 16 values, and the last at
-    least 16 (a shorter tail joins the chunk before it)."""
-    step = max(16, target // max(row, 1) // 16 * 16)
-    start = 0
-    while start < n_rows:
-        end = min(start + step, n_rows)
-        if (n_rows - end) * row < 16:
-            end = n_rows
-        yield start, end
-        start = end
-
-
-def local_rows(t: torch.Tensor) -> Optional[Tuple[int, int]]:
-    """The rows (lo, hi) of the full tensor that a DTensor sharded on dim 0 over one mesh
-    dimension (FSDP, HSDP) holds here; None for any other layout (TP's, 2-D)."""
-    if not isinstance(t, DTensor):
-        return None
-    sharded = [(i, p) for i, p in enumerate(t.placements) if not p.is_replicate()]
-    if len(sharded) != 1 or type(sharded[0][1]) is not Shard or sharded[0][1].dim != 0:
-        return None
-    mesh_dim = sharded[0][0]
-    n, k = t.shape[0], t.device_mesh.size(mesh_dim)
-    size = -(-n // k)  # DTensor's even sharding: torch.chunk's sizes
-    lo = min(t.device_mesh.get_local_rank(mesh_dim) * size, n)
-    return lo, min(lo + size, n)
-
-
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -252,25 +162,25 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int, device: Optional[torch.device] = None) -> None:
         """Deterministic init (same on every rank); call after ``to_empty``.
 
-        Each weight draws from its own generator, seeded by ``seed`` and the weight's name
-        in the full model (``layers.3.attention.wq.weight``), so a pipeline stage that
-        holds only some modules, a sharded DTensor and an unsharded single-process model
-        all get the very same values for the weights they hold (:func:`initial_tensor`).
+        Each block of a weight draws from its own stream, keyed by ``seed`` and the weight's
+        name in the full model (``layers.3.attention.wq.weight``), so a pipeline stage that
+        holds only some modules, a sharded DTensor (FSDP, TP, 2-D) and an unsharded
+        single-process model all get the very same values for the weights they hold
+        (:func:`train.initial.initial_tensor`), each rank drawing only the blocks its part overlaps.
         """
         for name, param in self.named_parameters():
-            t, shape = param.data, tuple(param.shape)
+            t = param.data
             device = device or t.device
-            # FSDP / HSDP: this rank's rows; a whole tensor (DDP, ZeRO-1/2, a stage): all rows
-            rows = local_rows(t) or (None if isinstance(t, DTensor) else (0, shape[0]))
-            if rows is None:
-                # TP (and 2-D): every rank draws the full tensor and keeps its own piece
-                # (no communication).
-                full = initial_tensor(self.cfg, clean_name(name), shape, seed).to(t.dtype)
-                t.copy_(distribute_tensor(full.to(t.device), t.device_mesh, t.placements, src_data_rank=None))
-                continue
-            target = t.to_local() if isinstance(t, DTensor) else t
-            for first, piece in initial_chunks(self.cfg, clean_name(name), shape, seed, rows):  # piece by piece
-                target[first - rows[0]:first - rows[0] + piece.shape[0]].copy_(piece)
+            local = t.to_local() if isinstance(t, DTensor) else t
+            rows, cols = local_runs(t)
+            n_rows, n_cols = sum(h - lo for lo, h in rows), sum(h - lo for lo, h in cols)
+            if n_rows * n_cols != local.numel():
+                raise RuntimeError(f"{name}: the local part holds {tuple(local.shape)}, its placements "
+                                   f"{getattr(t, 'placements', None)} give {n_rows} x {n_cols}")
+            dense = local if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype, device=local.device)
+            fill_initial(dense.view(n_rows, n_cols), self.cfg, clean_name(name), tuple(param.shape), seed, rows, cols)
+            if dense is not local:
+                local.copy_(dense)
         self.init_buffers(device)
 
     def init_buffers(self, device: torch.device) -> None:

@@ -239,10 +239,11 @@ def partitioned_build(config: Dict[str, Any]):
 def fill_partitioned(model: nn.Module, cfg, device: torch.device, hf_path) -> None:
     """Every parameter of a ``zero.Init`` model, each rank its own partition only: the flat
     range ``rank x partition .. + partition`` of the weight (DeepSpeed's
-    ``_partition_param``), from the rows that hold it (:func:`train.model.initial_chunks`,
-    or the Hugging Face tensor's rows read lazily). No gather, no communication."""
+    ``_partition_param``), drawing only the blocks that hold it (:func:`train.initial.fill_flat`),
+    or from the Hugging Face tensor's rows read lazily. No gather, no communication."""
     from spec.hf import hf_name, tensor_index
-    from train.model import clean_name, copy_flat, initial_chunks
+    from train.initial import copy_flat, fill_flat
+    from train.model import clean_name
 
     files = tensor_index(hf_path) if hf_path else {}
     for name, param in model.named_parameters():
@@ -252,14 +253,12 @@ def fill_partitioned(model: nn.Module, cfg, device: torch.device, hf_path) -> No
         end = min(start + part.ds_numel, math.prod(shape))
         if end <= start:
             continue  # this rank holds only padding of a small parameter
-        rows = (start // row, -(-end // row))
-        if hf_path:
-            from safetensors import safe_open
+        if not hf_path:
+            fill_flat(part.view(-1), cfg.model, ours, shape, cfg.train.seed, start)
+            continue
+        from safetensors import safe_open
 
-            theirs = hf_name(ours)
-            with safe_open(str(Path(hf_path) / files[theirs][2]), framework="pt") as f:
-                pieces = [(rows[0], f.get_slice(theirs)[rows[0]:rows[1]])]
-        else:
-            pieces = initial_chunks(cfg.model, ours, shape, cfg.train.seed, rows)
-        copy_flat(part.view(-1), pieces, row, start)
+        rows, theirs = (start // row, -(-end // row)), hf_name(ours)
+        with safe_open(str(Path(hf_path) / files[theirs][2]), framework="pt") as f:
+            copy_flat(part.view(-1), [(rows[0], f.get_slice(theirs)[rows[0]:rows[1]])], row, start)
     model.init_buffers(device)
