@@ -16,7 +16,7 @@ ranks (a perfect split: 0.25).
 - after: :meth:`train.model.Transformer.init_weights` (train/initial.py), each block of a
   weight from its own stream, a rank drawing only the blocks its part overlaps.
 
-    .venv/bin/python bench/init_share.py [--layers 4] [--ranks 4] [--layouts fsdp,tp] [--repeats 3]
+    .venv/bin/python bench/init_share.py [--layers 4] [--ranks 4] [--layouts fsdp,tp] [--repeats 5]
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--layouts", default="fsdp,tp", help="comma-separated: fsdp, tp")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds, each timing every fill once; the least counts")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds, each timing every fill once; the least counts")
     args = parser.parse_args()
 
     import torch
