@@ -117,6 +117,7 @@ sto_failed() {{
   echo "job $sto_job: scontrol $2 failed: $3" >&2
   {python} -m slurm.request failed "$@" || echo "job $sto_job: not recorded in run.json" >&2
 }}
+sto_kill_srun() {{ pkill -KILL -P "$1" 2>/dev/null; kill -KILL "$1" 2>/dev/null; }}  # the step's srun, $!
 sto_request() {{
   local taken="$1/.{request}.taken" action nodes reason out
   [ -e "$1/{request}" ] && mv -f "$1/{request}" "$taken" 2>/dev/null || return 1
@@ -125,7 +126,7 @@ sto_request() {{
   reason=$(sed -n 's/^reason=//p' "$taken")
   echo "the step asks: $action job $sto_job${{nodes:+ without $nodes}} ($reason)" >&2
   if [ -n "$2" ] && [ "$action" != cancel ]; then  # the step's srun, still running: gone before the requeue
-    pkill -KILL -P "$2" 2>/dev/null; kill -KILL "$2" 2>/dev/null; wait "$2" 2>/dev/null
+    sto_kill_srun "$2"; wait "$2" 2>/dev/null
   fi
   case $action in
     requeue) out=$(sto_slurm scontrol requeue "$sto_job" 2>&1) || {{ sto_failed "$1" requeue "$out"; return 1; }} ;;
@@ -183,7 +184,7 @@ sto_end_step() {{
     "ending step ${{step:-?}} of job $sto_job" >&2
   # in the background: scancel answers after MessageTimeout, waiting for the dead node
   [ -n "$step" ] && {{ sto_slurm scancel --signal=KILL "$SLURM_JOB_ID.$step" 2>/dev/null & }}
-  pkill -KILL -P "$2" 2>/dev/null; kill -KILL "$2" 2>/dev/null
+  sto_kill_srun "$2"
 }}"""
 _SPARE_EDITS = (
     ("srun() {{\n  local folder=\"${{@: -1}}\" code i=0 pid",
@@ -211,7 +212,7 @@ def step_loop(restarts: int, python: Optional[str] = None, spares: int = 0, node
     python = shlex.quote(sys.executable) if python is None else python
     template = _STEP_LOOP
     if spares > 0:
-        template = template.replace("srun() {{", _SPARE_FUNCTIONS + "\nsrun() {{", 1)
+        template = template.replace("\nsrun() {{", "\n" + _SPARE_FUNCTIONS + "\nsrun() {{", 1)
         for old, new in _SPARE_EDITS:
             if old not in template:
                 raise AssertionError(f"step loop template changed: {old!r} not found")
