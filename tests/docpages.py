@@ -12,6 +12,8 @@ separates commands). :class:`PageRun` runs them in the page's order, as a reader
 - ``launcher.resume`` of a Slurm run directory is a dry run, of a local one real;
 - ``launcher.status|logs|report|cancel|export|plan``, ``train.data.prepare`` and
   ``python -m train`` run for real (``python -m train RUN_DIR``: the last launch's);
+- ``launcher.list`` runs for real from the page's work directory: its default ROOT,
+  ``runs``, is the runs root of the page's launches;
 - ``bench/*.py`` scripts run with ``--help`` (all of a page's in one interpreter, by
   :meth:`PageRun.finish`): every option the line shows must exist;
 - ``pip install`` runs as pip's own dry run of the project;
@@ -149,6 +151,8 @@ class PageRun:
         if module in ("launcher.status", "launcher.logs", "launcher.report", "launcher.cancel", "launcher.export",
                       "launcher.plan"):
             return self._shell(self.substitute(doc_line, real_run=True), cwd=REPO)
+        if module == "launcher.list":  # ROOT runs (the default): where the page's launches went
+            return self._shell(self.substitute(doc_line, real_run=True), cwd=self.work)
         if module == "train.data.prepare":
             return self._shell(self.substitute(doc_line, real_run=True) + " --no-progress", cwd=self.work)
         raise AssertionError(f"no test runs this documented command: {doc_line}")
