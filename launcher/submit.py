@@ -219,7 +219,7 @@ def render_script(cfg: RunConfig, layout: Layout, run_dir: Path, python: Optiona
 def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[str], after: Optional[str] = None,
            code: Optional[Frozen] = None):
     """Submit the job; return the submitit Job (returns as soon as sbatch answers).
-    ``after``: a job id it starts after, whatever that job's outcome (``afterany``).
+    ``after``: job ids (``:``-separated) it starts after, whatever their outcome (``afterany``).
     ``code``: the run's frozen code (launcher.snapshot), what every task imports."""
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf  # sbatch here and every task of the job read it
@@ -268,7 +268,8 @@ class SubmissionError(RuntimeError):
 
 
 def submit_array(cfg: RunConfig, layout: Layout, run_dirs: List[Path], slurm_conf: Optional[str],
-                 sweep_dir: Path, code: Optional[Frozen] = None) -> List[str]:
+                 sweep_dir: Path, code: Optional[Frozen] = None, after: Optional[str] = None,
+                 parallel: Optional[int] = None) -> List[str]:
     """Submit one job array for runs whose sbatch parameters are all those of ``cfg``;
     return the element ids ("ARRAY_TASK", e.g. "123_4") in the order of ``run_dirs``.
 
@@ -280,21 +281,32 @@ def submit_array(cfg: RunConfig, layout: Layout, run_dirs: List[Path], slurm_con
     executor refuses such a folder for the array job itself, so the script is rendered
     with submitit's own function (as for a dry run), sbatch is called here, and the
     pickles are the ``DelayedSubmission`` files submitit itself writes.
+
+    ``after``: job ids (``:``-separated) the array starts after (``afterany``);
+    ``parallel``: at most this many elements run at once (``--array=...%K``). Capped, an
+    array of more than ARRAY_MAX elements is cut in arrays that start one after the other.
     """
     ids: List[str] = []
     for first in range(0, len(run_dirs), ARRAY_MAX):
-        ids += _submit_one_array(cfg, layout, run_dirs[first:first + ARRAY_MAX], slurm_conf, sweep_dir, code)
+        ids += _submit_one_array(cfg, layout, run_dirs[first:first + ARRAY_MAX], slurm_conf, sweep_dir, code,
+                                 after, parallel)
+        if parallel:
+            after = ids[-1].split("_")[0]
     return ids
 
 
 def _submit_one_array(cfg: RunConfig, layout: Layout, run_dirs: List[Path], slurm_conf: Optional[str],
-                      sweep_dir: Path, code: Optional[Frozen]) -> List[str]:
+                      sweep_dir: Path, code: Optional[Frozen], after: Optional[str] = None,
+                      parallel: Optional[int] = None) -> List[str]:
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf  # sbatch here and every task of the job read it
     uid = uuid.uuid4().hex[:12]
     base = sweep_dir / ".arrays" / uid
     base.mkdir(parents=True)
-    params = dict(slurm_parameters(cfg, layout, code), map_count=len(run_dirs), array_parallelism=len(run_dirs))
+    params = dict(slurm_parameters(cfg, layout, code), map_count=len(run_dirs),
+                  array_parallelism=min(parallel or len(run_dirs), len(run_dirs)))
+    if after:
+        params["additional_parameters"] = {**params["additional_parameters"], "dependency": f"afterany:{after}"}
     script = submitit_adapter.render(params, base / "%a", *_task_python(code))
     (base / "submission.sh").write_text(script)
     pending = []

@@ -276,6 +276,10 @@ class LauncherConfig:
     # otherwise). More than 200 MB or 20,000 files to freeze is refused. Local runs import
     # the checkout (they run while the command waits).
     snapshot: str = "true"
+    # A sweep (-m) runs at most this many of its points at once, a cap Slurm holds after
+    # the launcher exits: points that share one job array get `--array=...%K`, other jobs
+    # wait for earlier ones with `--dependency=afterany:...` (launcher/sweep.py). 0: no cap.
+    max_parallel: int = 0
 
 
 @dataclass
