@@ -234,8 +234,9 @@ def run_point(session: Session, dcfg, run_dir: Path, label: str, overrides: List
 
 
 def _common(cfg: RunConfig, layout: Layout, run_dir: Path) -> Dict[str, object]:
-    return dict(strategy=cfg.strategy.name, nodes=cfg.cluster.nodes, world_size=layout.world_size,
-                cluster=cfg.cluster.name, model=cfg.model.name, run_dir=str(run_dir))
+    return dict(strategy=cfg.strategy.name, nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node,
+                world_size=layout.world_size, steps=cfg.train.steps, cluster=cfg.cluster.name, model=cfg.model.name,
+                run_dir=str(run_dir))
 
 
 def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[int] = None) -> int:

@@ -160,6 +160,19 @@ class TrainConfig:
     # collection runs every this many steps (as torchtitan's training.gc_freq): the
     # automatic one stops the step at random times to scan every object. 0 = leave it on.
     gc_every_steps: int = 50
+    # Stragglers (train/steptimes.py): a rank whose score (its peers' median self time /
+    # its own: 1.0 as fast, 0.5 twice as slow) stays under straggler_score, at least
+    # straggler_min_s above their median, for straggler_steps steps in a row is named in
+    # RUN_DIR/stragglers.json and rank 0's log.
+    # straggler_score 0: off. straggler_action: "log", or "restart_without" (its node is
+    # treated as a bad node: a hot spare takes it, else the job is requeued without it).
+    straggler_score: float = 0.67
+    straggler_steps: int = 10
+    straggler_min_s: float = 0.05
+    straggler_action: str = "log"
+    # Rank 0 also writes every step's per-rank times (train/steptimes.py FIELDS, one row per
+    # rank) to RUN_DIR/steptimes.jsonl: the metrics rows keep only min/median/max.
+    steptimes_file: bool = False
     # Gloo/NCCL collective timeout in seconds. Keep it above cluster.hang_timeout_s: the
     # watchdog then reports a hang (stacks, NCCL flight recorder) before NCCL aborts.
     dist_timeout_s: int = 600
@@ -201,6 +214,8 @@ class FaultConfig:
 
     # Sleep this long after every step, so a run lasts long enough to be interrupted.
     step_delay_s: float = 0.0
+    # The rank that sleeps step_delay_s (-1: every rank): one slow rank, a straggler.
+    step_delay_rank: int = -1
     # SIGKILL every rank in the middle of the save at this step (after the shards are
     # written, before the commit); 0 = off.
     kill_in_save_at_step: int = 0

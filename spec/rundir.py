@@ -31,6 +31,15 @@ REGISTRY = "registry.jsonl"  # SWEEP_DIR/registry.jsonl: a sweep's points (launc
 TENSORBOARD = "tensorboard"  # tracking.tensorboard: event files
 WANDB = "wandb"  # tracking.wandb: W&B's own files (offline runs to sync)
 SAVE_NOW = "SAVE_NOW"  # touch RUN_DIR/SAVE_NOW: a checkpoint at the next step boundary
+# touch RUN_DIR/STACK_NOW: within a second every rank writes its threads' Python stacks to
+# RUN_DIR/stacks/rank{R}.txt (on NCCL its flight recorder beside them) and goes on
+# (train/harness/watchdog.py; `python -m launcher.stacks RUN_DIR` touches and reads them).
+STACK_NOW = "STACK_NOW"
+STACKS = "stacks"
+# Ranks persistently slower than their peers (train/steptimes.py), written by rank 0 of the
+# built-in trainer when one is flagged: step, segment, threshold and each rank's score.
+STRAGGLERS = "stragglers.json"
+STEPTIMES = "steptimes.jsonl"  # train.steptimes_file: {"step", "fields", "ranks": [[...] per rank]} per step
 # Written by a task whose failure the job restarts inside its allocation (run.json's last
 # ``in_job_restarts`` entry, as JSON); the batch script removes it before each srun and
 # starts the ranks again when the step leaves it behind (train/harness/restart.py).
@@ -46,7 +55,7 @@ FAULTS = "faults"  # RUN_DIR/faults/NAME.json: an injected fault (fault.*) fired
 # run.json "failure" values whose suspect_nodes the next allocation avoids: the automatic
 # requeue (train/harness/badnodes.py) and launcher.resume (launcher/track/resume.py).
 EXCLUDING_FAILURES = {"node_failure": "node failure", "preflight_outlier": "preflight outlier",
-                      "hardware_fault": "hardware fault"}
+                      "hardware_fault": "hardware fault", "straggler": "straggler"}
 # run.json "failure" values of a task that refused to start, before any collective
 # (spec/device.py): no usable CUDA for cluster.accelerator=gpu, or GPUs shown to the task
 # otherwise than cluster.gpu_binding says, or a torch older than the floor
@@ -130,6 +139,14 @@ class MetricsRow(MappingABC):
     comm_time_s: Optional[float] = None
     val_loss: Optional[float] = None  # train.eval_every: loss on the held-out split after this step
     val_ppl: Optional[float] = None   # exp(val_loss)
+    # Where the step's time went (train/steptimes.py), each {min, median, max, max_rank} over
+    # ranks: the loader, forward + backward, clipping + optimizer, all the rank did between
+    # two step collectives, and its wait at the step's collective (slowest busy - own).
+    data_s: Optional[Dict[str, float]] = None
+    fwd_bwd_s: Optional[Dict[str, float]] = None
+    optim_s: Optional[Dict[str, float]] = None
+    busy_s: Optional[Dict[str, float]] = None
+    wait_s: Optional[Dict[str, float]] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     _ALWAYS = ("mfu",)  # written even when None (readers tell "no peak" from "not measured")

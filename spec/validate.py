@@ -24,13 +24,14 @@ _CHOICES = {
     "data.source": ("markov", "file", "tokens"),
     "tracking.wandb.mode": ("offline", "online", "disabled"),
     "optim.lr_scaling": ("none", "linear", "sqrt"),
+    "train.straggler_action": ("log", "restart_without"),
 }
 
 _POSITIVE = (
     "cluster.nodes", "cluster.gpus_per_node", "cluster.time_min",
     "model.dim", "model.n_layers", "model.n_heads", "model.vocab_size", "model.max_seq_len",
     "model.multiple_of", "train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum",
-    "train.log_every", "train.dist_timeout_s", "strategy.pp_microbatches", "data.num_tokens",
+    "train.log_every", "train.dist_timeout_s", "train.straggler_steps", "strategy.pp_microbatches", "data.num_tokens",
     "data.branching", "checkpoint.keep",
 )
 
@@ -41,7 +42,7 @@ _NON_NEGATIVE = (
     "cluster.mem_gb", "cluster.cpus_per_task", "checkpoint.every_steps", "checkpoint.every_minutes",
     "optim.lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "data.seed", "fault.step_delay_s", "fault.kill_in_save_at_step",
     "fault.hang_at_step", "fault.hang_s", "fault.raise_at_step", "fault.raise_every_steps", "fault.slow_async_save_s", "train.gc_every_steps",
-    "launcher.max_parallel",
+    "launcher.max_parallel", "train.straggler_min_s",
 )
 
 # Must be > 0 (and finite): a zero or negative value is meaningless or divides by zero.
@@ -57,6 +58,7 @@ _RANGES = {
     "optim.beta1": (0.0, 1.0, False),
     "optim.beta2": (0.0, 1.0, False),
     "optim.min_lr_ratio": (0.0, 1.0, True),
+    "train.straggler_score": (0.0, 1.0, False),
 }
 
 # Characters that end a line of the sbatch script (C0/C1 controls: newline, CR, tab, ...,

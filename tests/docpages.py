@@ -47,7 +47,8 @@ SHELL_SYNTAX = set("|&;<>()$`*?~\\")  # a line with any of these runs in bash
 FENCE = re.compile(r"```bash\n(.*?)```", re.S)
 SMALL = ["train.steps=2"]  # added to a real local run that does not set its steps
 NOT_OURS = ("tensorboard ", "wandb ")
-COVERED_ELSEWHERE = {"torchrun ": "tests/test_torchrun.py"}
+COVERED_ELSEWHERE = {"torchrun ": "tests/test_torchrun.py",
+                     "python -m launcher.stacks ": "tests/test_stacks.py"}  # needs a running run
 # make targets the docs tests cannot run (the suite itself, a cluster, a GPU, a benchmark)
 MAKE_CHECKED_ONLY = {"test", "test-fast", "test-gpu", "test-torch-floor", "cluster-up", "cluster-down",
                      "cluster-status", "cluster-env", "gpu-check", "gpu-wheels", "bench"}

@@ -6,13 +6,15 @@ run.json and every segment's metrics kept.
 """
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import final_states, job_gone, launcher, run_dir_of, submit_run, wait_until
+from conftest import REPO, final_states, job_gone, launcher, run_dir_of, submit_run, wait_until
 from helpers import hidden_slurm_client
 from spec.rundir import read_metrics, read_run_json
 
@@ -127,8 +129,27 @@ def test_a_failing_run_is_not_requeued(tmp_path, slurm_cluster):
 
 
 def test_scancel_saves_but_never_requeues(tmp_path, slurm_cluster):
-    job, run_dir = submit(tmp_path, slurm_cluster, ["fault.step_delay_s=0.4", "train.steps=200"])
-    wait_until(lambda: steps_logged(run_dir) >= 3, 120, "3 steps")
+    """Before the cancel, on the same 2-node run: its slow rank is named (issue 32 item 2:
+    only rank 1 sleeps fault.step_delay_s; tests/test_stragglers.py) and both nodes' ranks
+    show their stacks on demand (item 4)."""
+    job, run_dir = submit(tmp_path, slurm_cluster, ["fault.step_delay_s=0.4", "fault.step_delay_rank=1",
+                                                    "train.steps=200"])
+    flagged = wait_until(lambda: (run_dir / "stragglers.json").is_file() and json.loads(
+        (run_dir / "stragglers.json").read_text()), 120, "the straggler named")
+    assert [(r["rank"], r["node"], r["host"]) for r in flagged["ranks"]] == \
+        [(1, 1, read_run_json(run_dir)["hostnames"][1])], flagged
+    assert flagged["step"] <= 12 and "straggler: rank 1 (node 1)" in (run_dir / "logs" / "rank0.log").read_text()
+    row = read_metrics(run_dir)[-1]
+    assert row["fwd_bwd_s"]["max_rank"] == 0 and row["fwd_bwd_s"]["max"] > 0.3  # rank 0 waits for rank 1 in DDP
+    # first, what are the two nodes' ranks doing? (issue 32 item 4; tests/test_stacks.py)
+    asked = subprocess.run([sys.executable, "-m", "launcher.stacks", str(run_dir), "--timeout", "30"],
+                           env={**slurm_cluster, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    assert asked.returncode == 0, asked.stdout + asked.stderr
+    heads = [json.loads((run_dir / "stacks" / f"rank{r}.txt").read_text().splitlines()[0]) for r in (0, 1)]
+    assert [h["node"] for h in heads] == [0, 1], (heads, asked.stdout)  # one rank on each node answered
+    assert [h["host"] for h in heads] == read_run_json(run_dir)["hostnames"], (heads, asked.stdout)
+    assert "stacks of 2/2 ranks" in asked.stdout
+    print(asked.stdout)  # the seconds it took, for the record
     subprocess.run(["scancel", job], env=slurm_cluster, check=True)
     wait_until(lambda: job_gone(job, slurm_cluster), 60, "the cancelled job to leave the queue")
     time.sleep(8)  # longer than cred_expire: a requeued job would be back by now

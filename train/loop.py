@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -14,15 +15,17 @@ import torch.distributed as dist
 from spec.batch import peak_lr
 from spec.config import CheckpointConfig, RunConfig
 from spec.model_size import flops_per_token
-from spec.rundir import MetricsRow, Status, shape_line
+from spec.rundir import STEPTIMES, STRAGGLERS, MetricsRow, Status, read_run_json, shape_line
 from train.checkpoint import Checkpointer
 from train.evaluate import Evaluator, perplexity
 from train.data import ShardedLoader, file_dtype, token_file
+from train.harness.outcome import StragglerError
 from train.harness.run import Task
 from train.harness.watchdog import COLLECTIVE
 from train.metrics import mfu, reset_peaks
 from train.model import build_model
 from train.parallelize import parallelize
+from train.steptimes import FIELDS, StepClock, Stragglers, breakdown, peers
 from train.strategies.base import Engine
 from train.tracking import Tracking
 
@@ -112,29 +115,36 @@ class Agreed:
     peak_reserved: Optional[int]  # the busiest rank's allocator peak (CUDA; None elsewhere)
     preempted: bool  # some rank got a signal
     save_due: bool  # rank 0 asked for a checkpoint (minutes elapsed, or SAVE_NOW)
+    times: Optional[list] = None  # per rank, train.steptimes.FIELDS of this step
 
 
 def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
-           save_due: bool) -> Agreed:
+           save_due: bool, clock: Optional[StepClock] = None) -> Agreed:
     """One small all-gather per step carries each rank's loss, grad norm, peak memory,
-    preemption flag and (rank 0's) "time to save" decision, so every rank takes the same
-    branch after it. Sums run in rank order on every rank: unlike an all-reduce, whose
-    summation order may vary, the logged loss is bitwise reproducible."""
+    preemption flag, (rank 0's) "time to save" decision and step times
+    (train/steptimes.py), so every rank takes the same branch after it. Sums run in rank
+    order on every rank: unlike an all-reduce, whose summation order may vary, the logged
+    loss is bitwise reproducible."""
     ctx, flag = task.ctx, task.flag
     reserved = engine.peak_reserved_bytes()
-    local = torch.tensor([loss.item(), grad_norm.item(), engine.peak_memory_bytes(), flag.code, float(save_due),
-                          -1.0 if reserved is None else reserved], dtype=torch.float64, device=loss.device)
-    gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
+    values = [loss.item(), grad_norm.item(), engine.peak_memory_bytes(), flag.code, float(save_due),
+              -1.0 if reserved is None else reserved]
     task.faults.at_step_end(step, task.watchdog)
+    times = clock.arrive() if clock is not None else [0.0] * len(FIELDS)
+    local = torch.tensor(values + times, dtype=torch.float64, device=loss.device)
+    gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
     task.watchdog.phase(COLLECTIVE, step)
     dist.all_gather(gathered, local)
+    if clock is not None:
+        clock.release()
     task.watchdog.progress(step + 1)
     table = torch.stack(gathered).cpu()
     flag.agreed_requeue = bool(table[:, 3].max() >= 2)  # some rank got the user signal
     agreed = Agreed(loss=float(table[:, 0].sum() / ctx.world_size),
                     grad_norm=float(table[:, 1].sum() / ctx.world_size), peak_mem=int(table[:, 2].max()),
                     peak_reserved=None if table[:, 5].max() < 0 else int(table[:, 5].max()),
-                    preempted=bool(table[:, 3].any()), save_due=bool(table[:, 4].any()))
+                    preempted=bool(table[:, 3].any()), save_due=bool(table[:, 4].any()),
+                    times=table[:, 6:6 + len(FIELDS)].tolist() if clock is not None else None)
     if not math.isfinite(agreed.loss):
         raise FloatingPointError(f"loss is {agreed.loss} at step {step + 1}; lower optim.lr")
     return agreed
@@ -178,6 +188,7 @@ class Meter:
             mfu=mfu(self.tokens_per_step / dt, self.flops_token, self.peak, self.n_gpus),
             global_batch_size=self.global_batch, tokens_per_step=self.tokens_per_step,
             world_size=self.world_size, segment=segment, time=time.time(),
+            **(breakdown(agreed.times) if agreed.times else {}),
         )
 
 
@@ -189,6 +200,9 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
     last_save = time.monotonic()
     task.watchdog.begin(loader.state.step)
     first = loader.state.step
+    clock = StepClock(ctx.device)
+    t = cfg.train
+    stragglers = Stragglers(t.straggler_score, t.straggler_steps, t.straggler_min_s, groups=peers(task.layout))
     for step in range(first, cfg.train.steps):
         if cfg.train.gc_every_steps > 0 and step % cfg.train.gc_every_steps == 0:
             gc.collect(1)
@@ -196,8 +210,12 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         t0 = time.perf_counter()
         task.watchdog.phase("compute", step)
         lr = lr_at(step, cfg, peak)
-        loss, grad_norm = engine.train_step(loader.next_step(), lr)
-        agreed = _agree(task, engine, step, loss, grad_norm, _save_due(task, last_save))
+        clock.begin()
+        batches = loader.next_step()
+        clock.data_ready()
+        loss, grad_norm = engine.train_step(batches, lr)
+        clock.computed()
+        agreed = _agree(task, engine, step, loss, grad_norm, _save_due(task, last_save), clock)
         dt = time.perf_counter() - t0
         val = evaluator.run(engine) if evaluator.due(step + 1) else None
         if ctx.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps or val is not None):
@@ -206,6 +224,12 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
             tracking.log(row)
             log(f"step {step + 1}/{cfg.train.steps} loss {agreed.loss:.4f} tokens/s "
                 f"{meter.tokens_per_step / dt:.0f} step {dt * 1000:.1f} ms")
+        if cfg.train.steptimes_file and ctx.is_main:
+            with open(task.run_dir / STEPTIMES, "a") as f:
+                f.write(json.dumps({"step": step + 1, "segment": task.segment, "fields": FIELDS,
+                                    "ranks": agreed.times}) + "\n")
+        if stragglers.update(agreed.times, step + 1):
+            _stragglers(task, stragglers, step, ckpt, engine, loader)
         every = cfg.checkpoint.every_steps
         last = step + 1 == cfg.train.steps
         if (agreed.preempted or agreed.save_due or (every and (step + 1) % every == 0 and not last)
@@ -225,6 +249,30 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         task.faults.after_step()
     ckpt.close()
     return Status.COMPLETED
+
+
+def _stragglers(task: Task, stragglers: Stragglers, step: int, ckpt: Checkpointer, engine: Engine,
+                loader: ShardedLoader) -> None:
+    """Ranks were flagged at ``step``: rank 0 writes RUN_DIR/stragglers.json (every flagged
+    rank, its node and host) and a log line; with ``train.straggler_action=restart_without``
+    every rank (they agree: the same table) saves the step and raises StragglerError."""
+    hosts = read_run_json(task.run_dir).get("hostnames") or []
+    per_node = task.layout.gpus_per_node
+    flagged = [{**f, "node": f["rank"] // per_node, "host": hosts[f["rank"] // per_node]
+                if f["rank"] // per_node < len(hosts) else None} for f in stragglers.flagged.values()]
+    new = [f for f in flagged if f["step"] == step + 1]
+    if task.ctx.is_main:
+        (task.run_dir / STRAGGLERS).write_text(json.dumps(
+            {"step": step + 1, "segment": task.segment, "threshold_score": stragglers.score,
+             "steps_in_a_row": stragglers.steps, "ranks": flagged}, indent=1))
+        for f in new:
+            task.log(f"straggler: rank {f['rank']} (node {f['node']}) score {f['score']:.2f} for {f['steps_in_a_row']} "
+                     f"steps: {f['self_s'] * 1000:.0f} ms of its own a step vs its peers' median "
+                     f"{f['median_self_s'] * 1000:.0f} ms (stragglers.json)")
+    if task.cfg.train.straggler_action == "restart_without":
+        _save(task, ckpt, engine, loader, step, preempted=True)  # nothing done is lost
+        ckpt.close()
+        raise StragglerError(new[0]["rank"], new[0]["host"] or "?", new[0]["score"], new[0]["steps_in_a_row"])
 
 
 def _save(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader, step: int, preempted: bool) -> None:

@@ -21,6 +21,9 @@ from spec.rundir import REGISTRY, TENSORBOARD, WANDB, MetricsRow
 # Metrics rows' fields that are scalars worth a chart (the rest are bookkeeping).
 SCALARS = ("loss", "val_loss", "val_ppl", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "mfu",
            "peak_mem_bytes", "step_time_s", "compute_time_s", "comm_time_s")
+# Fields of where a step's time went (train/steptimes.py): their median and max over ranks,
+# charted as time/<field>/median and time/<field>/max.
+BREAKDOWN = ("data_s", "fwd_bwd_s", "optim_s", "busy_s", "wait_s")
 SLURM_FACTS = ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_JOB_PARTITION",
                "SLURM_RESTART_COUNT", "SLURM_CLUSTER_NAME", "SLURM_JOB_ACCOUNT")
 
@@ -52,10 +55,12 @@ class Tracking:
 
     def log(self, row: MetricsRow) -> None:
         values = {k: float(row[k]) for k in SCALARS if row.get(k) is not None}
+        values.update({f"time/{k}/{stat}": float(row[k][stat]) for k in BREAKDOWN if row.get(k) is not None
+                       for stat in ("median", "max")})
         if self.tb is not None:
             for key, value in values.items():
-                self.tb.add_scalar(f"train/{key}" if not key.startswith("val_") else f"val/{key[4:]}", value,
-                                   global_step=row["step"])
+                name = key if key.startswith("time/") else f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
+                self.tb.add_scalar(name, value, global_step=row["step"])
         if self.wandb is not None:
             self.wandb.log(values, step=row["step"])
 

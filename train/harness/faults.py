@@ -93,8 +93,9 @@ class Faults:
             time.sleep(fault.hang_s)
 
     def after_step(self) -> None:
-        """``fault.step_delay_s``: a slow step, so a run lasts long enough to be interrupted."""
-        if self.cfg.step_delay_s:
+        """``fault.step_delay_s``: a slow step, so a run lasts long enough to be interrupted
+        (on ``fault.step_delay_rank`` alone: a straggler)."""
+        if self.cfg.step_delay_s and self.cfg.step_delay_rank in (-1, self.rank):
             time.sleep(self.cfg.step_delay_s)
 
     def save_written(self, step: int) -> None:

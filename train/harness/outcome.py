@@ -57,7 +57,19 @@ def is_comm_error(exc: BaseException) -> bool:
 # exited looks like a dead node when it was its node's only rank); an own error that
 # names its node's hardware outranks it in turn.
 FAILURE_RANK = {None: 0, "communication": 1, "rank_failure": 2, "node_failure": 3, "error": 3.2,
-                "hardware_fault": 3.5, "preflight_outlier": 4, "hang": 5, **{refusal: 6 for refusal in START_REFUSALS}}
+                "hardware_fault": 3.5, "straggler": 3.5, "preflight_outlier": 4, "hang": 5, **{refusal: 6 for refusal in START_REFUSALS}}
+
+
+class StragglerError(RuntimeError):
+    """Raised on every rank (they agree: the same table) when ``train.straggler_action=
+    restart_without`` and a rank is flagged: the run records ``failure: straggler`` with
+    the rank's node as suspect, so a hot spare takes it or the job is requeued without it
+    (record_failure below, restart.py, badnodes.py; the detector: train/steptimes.py)."""
+
+    def __init__(self, rank: int, host: str, score: float, steps: int) -> None:
+        super().__init__(f"straggler: rank {rank} on {host} ran at {score:.2f} of its peers' speed for {steps} steps "
+                         "(train.straggler_action=restart_without): restarting without its node")
+        self.rank, self.host = rank, host
 
 
 def outranks(current: Any, new: Any) -> bool:
@@ -87,6 +99,9 @@ def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int
     if isinstance(exc, DeviceError):  # a refusal at start, before any collective: its line says it all
         log.error("%s", exc)
         fields["failure"] = exc.failure
+    elif isinstance(exc, StragglerError):  # every rank agreed on it: the slow rank's node goes
+        log.error("%s", exc)
+        fields.update(failure="straggler", suspect_nodes=[exc.host], failed_rank=exc.rank, failed_node=exc.host)
     else:
         log.error("training failed: %s\n%s", exc, traceback.format_exc())
         echo = is_comm_error(exc) and read_run_json(run_dir).get("failed_rank") is not None  # of a peer's error

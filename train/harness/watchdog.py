@@ -20,20 +20,55 @@ extension build):
 
 The watchdog must fire before the collective timeout (``train.dist_timeout_s``), which
 would otherwise abort with a less useful error.
+
+Stacks on demand, without a hang: ``touch RUN_DIR/STACK_NOW`` (or ``python -m
+launcher.stacks RUN_DIR``). The same thread looks at the file's time every
+:data:`STACK_POLL_S` (one ``stat`` per rank); for each new touch (after the segment
+started) each rank writes every thread's Python stack, by thread name, to
+``stacks/rank{R}.txt`` (and, on NCCL, its flight recorder to ``stacks/nccl_trace_rank{R}.pkl``),
+and training goes on.
 """
 from __future__ import annotations
 
 import faulthandler
 import json
 import os
+import socket
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from spec.rundir import STACK_NOW, STACKS
+
 HANG_EXIT = 75
 COLLECTIVE = "collective"
+STACK_POLL_S = 0.5  # how often each rank looks at RUN_DIR/STACK_NOW
+
+
+def request_time(run_dir: Path) -> Optional[int]:
+    """The time (ns) RUN_DIR/STACK_NOW was last touched; None when it is absent."""
+    try:
+        return os.stat(Path(run_dir) / STACK_NOW).st_mtime_ns
+    except OSError:
+        return None
+
+
+def write_stacks(path: Path, header: Dict[str, Any]) -> None:
+    """Every thread's Python stack, innermost frame last, the main thread first; the first
+    line is ``header`` as JSON (rank, host, pid, step, phase, the request it answers)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    frames = sorted(sys._current_frames().items(), key=lambda item: item[0] != main)
+    lines = [json.dumps(header)]
+    for ident, frame in frames:
+        lines.append(f"\nThread {names.get(ident, '?')} ({ident}):")
+        lines += [line.rstrip("\n") for line in traceback.format_stack(frame)]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)  # a reader (launcher.stacks) never sees half a file
 
 
 def stuck_ranks(beats: List[Dict[str, Any]]) -> List[int]:
@@ -116,8 +151,9 @@ def heartbeat_interval(hang_timeout_s: float) -> float:
 
 
 class Watchdog:
-    """``interval_s`` 0: no thread and no heartbeat (the loop's calls stay attribute writes);
-    ``timeout_s`` 0: heartbeats without the hang check (users' code: its steps are unseen)."""
+    """``interval_s`` 0: no heartbeat (the thread only answers STACK_NOW; the loop's calls
+    stay attribute writes); ``timeout_s`` 0: heartbeats without the hang check (users'
+    code: its steps are unseen)."""
 
     def __init__(self, run_dir: Path, rank: int, node: int, host: str, world_size: int, timeout_s: float,
                  interval_s: float = 1.0, on_hang=None, startup_timeout_s: Optional[float] = None) -> None:
@@ -128,6 +164,7 @@ class Watchdog:
         self.on_hang = on_hang
         self.step, self.phase_name = 0, "startup"
         self.last_progress = time.time()
+        self.answered = time.time_ns()  # STACK_NOW touched before this segment started is old
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -147,11 +184,10 @@ class Watchdog:
         return self.timeout_s if self.warm else self.startup_timeout_s
 
     def start(self) -> "Watchdog":
-        # Heartbeats (failure classification reads them) and, if enabled, hang checks.
+        # Heartbeats (failure classification reads them), if enabled hang checks, and STACK_NOW.
         self.last_progress = time.time()
-        if self.interval_s <= 0:
-            return self
-        (self.run_dir / "heartbeat").mkdir(parents=True, exist_ok=True)
+        if self.interval_s > 0:
+            (self.run_dir / "heartbeat").mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -169,10 +205,34 @@ class Watchdog:
         return beat
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        tick = min(self.interval_s, STACK_POLL_S) if self.interval_s > 0 else STACK_POLL_S
+        next_beat = time.monotonic() + self.interval_s
+        while not self._stop.wait(tick):
+            self.answer_stack_request()
+            if self.interval_s <= 0 or time.monotonic() < next_beat:
+                continue
+            next_beat = time.monotonic() + self.interval_s
             self._beat()
             if self.timeout_s > 0 and time.time() - self.last_progress > self.limit_s():
                 self._hang()
+
+    def answer_stack_request(self) -> bool:
+        """Write this rank's stacks when RUN_DIR/STACK_NOW was touched since the last answer."""
+        asked = request_time(self.run_dir)
+        if asked is None or asked <= self.answered:
+            return False
+        self.answered = asked
+        try:
+            folder = self.run_dir / STACKS
+            folder.mkdir(exist_ok=True)
+            trace = dump_nccl_trace(folder / f"nccl_trace_rank{self.rank}.pkl")
+            write_stacks(folder / f"rank{self.rank}.txt",
+                         {"rank": self.rank, "node": self.node, "host": self.host or socket.gethostname(),
+                          "pid": os.getpid(), "step": self.step, "phase": self.phase_name, "request_ns": asked,
+                          "time": time.time(), "nccl_trace": trace})
+        except OSError as exc:  # a full or gone file system: the job goes on
+            print(f"rank {self.rank}: STACK_NOW not answered: {exc}", file=sys.stderr)
+        return True
 
     def _hang(self) -> None:
         logs = self.run_dir / "logs"

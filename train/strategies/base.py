@@ -33,6 +33,7 @@ from spec.config import OptimConfig, RunConfig
 from spec.layout import Layout
 from train.harness.dist import DistContext
 from train.metrics import peak_memory_bytes, peak_reserved_bytes
+from train import steptimes
 from train.strategies.vocab_parallel import is_vocab_sharded, vocab_parallel_cross_entropy
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
@@ -236,6 +237,7 @@ class TorchEngine(DCPState):
                 loss = loss_fn(logits, targets.to(self.device, non_blocking=True)) / len(batches)
                 loss.backward()
             total += loss.detach()
+        steptimes.mark_optimizer()
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -35,6 +35,7 @@ from torch import nn
 
 from spec.ds_config import deepspeed_config, use_bf16
 from train.torch_compat import link_path_without_spaces
+from train import steptimes
 from train.strategies.base import (Batch, DeviceMemory, EngineBuilder, build_adamw, forward_loss, loss_fn,
                                    set_lr)
 
@@ -87,8 +88,10 @@ class DeepSpeedEngine(DeviceMemory):
             # backward divides by gradient_accumulation_steps; step() only updates at the
             # accumulation boundary (the last micro-batch), where gradients are reduced.
             self.ds.backward(loss)
-            if self.stage == 0 and self.ds.is_gradient_accumulation_boundary():
-                norm = self._grad_norm()
+            if self.ds.is_gradient_accumulation_boundary():
+                steptimes.mark_optimizer()
+                if self.stage == 0:
+                    norm = self._grad_norm()
             self.ds.step()
             total += loss.detach() / len(batches)
         if norm is None:

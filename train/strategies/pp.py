@@ -53,6 +53,7 @@ from spec.layout import Layout
 from spec.support import stages_per_rank
 from train.harness.dist import DistContext
 from train.model import Transformer
+from train import steptimes
 from train.strategies.base import (Batch, DCPState, EngineBuilder, Prepare, build_adamw, compute_dtype, loss_fn, set_lr,
                                   state_dict_options, with_own_hyperparameters)
 from train.strategies.ddp import wrap_ddp
@@ -122,6 +123,7 @@ class PipelineEngine(DCPState):
         else:
             loss = torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self._last_rank, group=self.pp_group)
+        steptimes.mark_optimizer()
         grad_norm = self._clip()
         set_lr(self.optimizers, lr)
         for opt in self.optimizers:
