@@ -38,6 +38,8 @@ def make_run(root: Path, rel: str, age_s: float, rows: int = 0, **fields) -> Pat
 def root(tmp_path) -> Path:
     """Two single runs, one with a run.json of an older launcher (no steps: config.yaml's), a
     run elsewhere under ROOT (launcher.run_dir=), and a sweep of three points, one skipped."""
+    global NOW
+    NOW = time.time()  # ages are from now, not from when the module was imported
     root = tmp_path / "runs"
     make_run(root, "fresh-1111", 10, rows=40, status="running", steps=100, nodes=2, world_size=16, gpus_per_node=8,
              strategy="fsdp")
