@@ -153,6 +153,18 @@ def shard_files(weights: dict, n: int) -> List[List[str]]:
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected: the weights are of what runs
+class _Collected:
+    """Every collected test id, before -m, -k and --shard select (test_docs_gpu reads it)."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config, items):
+        config.sto_collected = {item.nodeid for item in items}
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_Collected(), "sto-collected")
+
+
 def pytest_collection_modifyitems(config, items):
     spec = config.getoption("--shard")
     if not spec:
