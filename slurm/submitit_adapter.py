@@ -158,7 +158,8 @@ srun() {{
     sto_request "$dir" && exit 0
     [ "$code" -ne 0 ] && [ -e "$dir/{restart}" ] && [ "$i" -lt {restarts} ] || return "$code"
     i=$((i + 1))
-    echo "the step failed (exit $code; $(cat "$dir/{restart}")): restart $i of {restarts} inside job $sto_job" >&2
+    echo "$(date -u +%FT%TZ) the step failed (exit $code; $(cat "$dir/{restart}")):" \\
+      "restart $i of {restarts} inside job $sto_job" >&2
   done
 }}"""
 
@@ -180,7 +181,7 @@ sto_end_step() {{
   local step
   step=$(sto_slurm squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null |
     sed -n 's/^[0-9_]*[.]\\([0-9][0-9]*\\)$/\\1/p' | sort -n | tail -n 1)  # the newest step: this srun's
-  echo "the step asks for a restart without $(sed -n 's/^exclude=//p' "$1/{restart}"):" \\
+  echo "$(date -u +%FT%TZ) the step asks for a restart without $(sed -n 's/^exclude=//p' "$1/{restart}"):" \\
     "ending step ${{step:-?}} of job $sto_job" >&2
   # in the background: scancel answers after MessageTimeout, waiting for the dead node
   [ -n "$step" ] && {{ sto_slurm scancel --signal=KILL "$SLURM_JOB_ID.$step" 2>/dev/null & }}

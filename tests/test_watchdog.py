@@ -68,3 +68,23 @@ def test_heartbeats_follow_the_hang_timeout(tmp_path):
     assert not (tmp_path / "heartbeat").exists()  # the thread runs for STACK_NOW alone
     dog.stop()
     assert classify_failure(tmp_path, 2, interval_s=0)["failure"] == "communication"
+
+
+def test_a_later_segments_hang_replaces_the_earlier_report(tmp_path, monkeypatch):
+    """hang.json tells of the newest hang: one writer per segment (a lock file each), the
+    report replaced atomically; a second rank of the same segment leaves it as written."""
+    import os
+
+    exits = []
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code))
+    (tmp_path / "hang.json").write_text(json.dumps({"detected_by": 9, "stuck_ranks": [9]}))  # segment 0's
+    reports = []
+    for rank in (1, 0):  # both ranks of segment 1 see the hang; rank 1 is first
+        dog = Watchdog(tmp_path, rank, 0, "h", 2, timeout_s=5, interval_s=0.01, segment=1,
+                       on_hang=reports.append)
+        (tmp_path / "heartbeat").mkdir(exist_ok=True)
+        dog._hang()
+    assert exits == [75, 75] and len(reports) == 2
+    report = json.loads((tmp_path / "hang.json").read_text())
+    assert report["detected_by"] == 1 and report["stuck_ranks"] != [9]
+    assert not list(tmp_path.glob("hang.json.*.tmp"))

@@ -200,5 +200,6 @@ def _watchdog(cfg: RunConfig, ctx, run_dir: Path, segment: int, log: Callable[[s
         Restart(run_dir, cfg.cluster.in_job_restarts, ctx, segment, watchdog).ask(log, stuck[0], hosts[0])
 
     watchdog = Watchdog(run_dir, ctx.rank, ctx.node_rank, ctx.hostname, ctx.world_size, hang,
-                        interval_s=heartbeat_interval(hang), on_hang=on_hang, startup_timeout_s=startup)
+                        interval_s=heartbeat_interval(hang), on_hang=on_hang, startup_timeout_s=startup,
+                        segment=segment)
     return watchdog.start()

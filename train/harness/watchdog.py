@@ -156,8 +156,10 @@ class Watchdog:
     code: its steps are unseen)."""
 
     def __init__(self, run_dir: Path, rank: int, node: int, host: str, world_size: int, timeout_s: float,
-                 interval_s: float = 1.0, on_hang=None, startup_timeout_s: Optional[float] = None) -> None:
+                 interval_s: float = 1.0, on_hang=None, startup_timeout_s: Optional[float] = None,
+                 segment: int = 0) -> None:
         self.run_dir, self.rank, self.node, self.host = run_dir, rank, node, host
+        self.segment = segment  # which start of the run: one hang.json writer per segment
         self.world_size, self.timeout_s, self.interval_s = world_size, timeout_s, interval_s
         self.startup_timeout_s = max(timeout_s, startup_timeout_s or 0)
         self.warm = False  # a step of this segment has completed: the plain timeout applies
@@ -247,13 +249,14 @@ class Watchdog:
         report = {"detected_by": self.rank, "time": time.time(), "timeout_s": self.limit_s(), "stuck_ranks": stuck,
                   "stuck_hosts": sorted({b.get("host", "?") for b in beats if b["rank"] in stuck}),
                   "nccl_trace": trace, "ranks": beats}  # each rank's own trace: ranks[R]["nccl_trace"]
-        try:  # first rank to get here writes the report
-            fd = os.open(self.run_dir / "hang.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:  # the first rank of this segment to get here writes the report, over an earlier hang's
+            os.close(os.open(self.run_dir / "heartbeat" / f"hang_segment{self.segment}.lock",
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            tmp = self.run_dir / f"hang.json.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(report, indent=1))
+            os.replace(tmp, self.run_dir / "hang.json")
         except FileExistsError:
-            fd = None
-        if fd is not None:
-            with os.fdopen(fd, "w") as f:
-                json.dump(report, f, indent=1)
+            pass
         # Every rank that saw the hang records it (the same fields), not only the one that
         # wrote hang.json: a rank exiting here ends its peers (the local launcher's ranks
         # die with rank 0), and the writer might be gone before it recorded (a loaded
