@@ -112,3 +112,29 @@ def test_the_median_of_the_others_is_what_statistics_says():
         values = [rng.choice([0.1, 0.2, rng.random()]) for _ in range(n)]
         expected = [statistics.median(values[:i] + values[i + 1:]) for i in range(n)]
         assert medians_of_the_others(values) == pytest.approx(expected)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_step_parts_are_the_gpus_time():
+    """CUDA events, read after the sync: a forward+backward of matmuls then an "optimizer"
+    of one more, timed as the loop does; the parts add up to the host's view of the step."""
+    import time
+
+    import torch
+
+    from train import steptimes
+
+    x = torch.randn(4096, 4096, device="cuda", requires_grad=True)
+    clock = steptimes.StepClock(torch.device("cuda"))
+    clock.begin()
+    clock.data_ready()
+    start = time.perf_counter()
+    loss = (x @ x @ x).sum()
+    loss.backward()
+    steptimes.mark_optimizer()
+    x.grad @ x.grad
+    clock.computed()
+    loss.item()
+    data, fwd_bwd, optim, busy = clock.arrive()
+    host = time.perf_counter() - start
+    assert 0 < optim < fwd_bwd and fwd_bwd + optim <= host * 1.05 and busy >= host, (fwd_bwd, optim, host, busy)
