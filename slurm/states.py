@@ -71,12 +71,13 @@ class Decision(NamedTuple):
 
 def decide(info: Mapping[str, Any], *, skipped: bool = False, queued: Optional[str] = None,
            accounted: Optional[str] = None, slurm_job: bool = False, slurm_ok: bool = True,
-           trust_slurm: bool = True) -> Decision:
+           trust_slurm: bool = True, alive: bool = False) -> Decision:
     """A run's outcome from its run.json (``info``) and Slurm's view of its job: ``queued``
     is squeue's state (None: not in the queue), ``accounted`` sacct's newest state of our
     job (None or "": no record). ``slurm_job``: run.json names a Slurm job id;
     ``slurm_ok``: Slurm answered; ``trust_slurm`` is False when the id's record is not
-    ours (a reused id), and run.json decides."""
+    ours (a reused id), and run.json decides. ``alive``: a local run's ranks wrote lately
+    (heartbeats, metrics): one that run.json calls starting or running is running."""
     raw = str(info.get("status") or "")
     status = status_of(info)
     if skipped:
@@ -88,6 +89,8 @@ def decide(info: Mapping[str, Any], *, skipped: bool = False, queued: Optional[s
     if last:  # Slurm's record of how the job ended; the run completed only if both say so
         return Decision(Outcome.COMPLETED if succeeded(status, last) else Outcome.FAILED, last)
     shown = raw.upper() or "UNKNOWN"
+    if not slurm_job and alive and status in (Status.STARTING, Status.RUNNING):
+        return Decision(Outcome.RUNNING, shown)
     if not slurm_job or not slurm_ok or not trust_slurm:  # a local run, Slurm unreachable, a reused id
         by_status = {Status.COMPLETED: Outcome.COMPLETED, Status.FAILED: Outcome.FAILED,
                      Status.STOPPED: Outcome.FAILED, Status.INTERRUPTED: Outcome.FAILED}

@@ -71,8 +71,8 @@ def test_one_line_per_run_and_sweep_newest_first(root, capsys):
     names = [line.split()[0] for line in lines[1:]]
     assert names == ["fresh-1111", "multirun/lr-3333", "0", "1", "2", "team/exp/mine", "old-2222"], out
     fresh, sweep, p0, p1, p2, mine, old = (line.split() for line in lines[1:])
-    assert fresh[:8] == ["fresh-1111", "unknown", "(running)", "fsdp", "2x8", "40/100", "3.6", "12,040"]
-    assert re.fullmatch(r"1\ds", fresh[8]) and fresh[9] == "local"  # written 10 s ago
+    assert fresh[:7] == ["fresh-1111", "running", "fsdp", "2x8", "40/100", "3.6", "12,040"]  # local, writing
+    assert re.fullmatch(r"1\ds", fresh[7]) and fresh[8] == "local"  # written 10 s ago
     assert sweep[:4] == ["multirun/lr-3333", "unknown", "sweep", "1m"]
     assert lines[2].endswith("  3 points: 1 completed, 1 skipped, 1 unknown")
     assert lines[3].startswith("  0 ") and p0[1:5] == ["completed", "zero3", "1x2", "5/5"]
@@ -89,10 +89,9 @@ def test_filters_by_status_and_age(root, capsys):
 
     assert names("--status", "completed") == ["multirun/lr-3333", "0", "old-2222"]
     assert names("--status", "failed,skipped") == ["multirun/lr-3333", "2", "team/exp/mine"]
-    assert names("--status", "failed", "--status", "unknown") == ["fresh-1111", "multirun/lr-3333", "1",
-                                                                  "team/exp/mine"]
+    assert names("--status", "failed", "--status", "unknown") == ["multirun/lr-3333", "1", "team/exp/mine"]
     assert names("--status", "requeued") == ["multirun/lr-3333", "1"]  # run.json's own word
-    assert names("--status", "running") == []  # an outcome word: the decided status, not run.json's
+    assert names("--status", "running") == ["fresh-1111"]  # an outcome word: the decided status (p1: requeued)
     assert names("--since", "4m") == ["fresh-1111", "multirun/lr-3333", "1", "2"]
     assert names("--since", "90s") == ["fresh-1111"]
     assert names("--since", "1d", "--status", "completed") == ["multirun/lr-3333", "0"]
@@ -108,7 +107,7 @@ def test_json_has_stable_keys(root, capsys):
     assert [r["kind"] for r in rows] == ["run", "sweep", "point", "point", "point", "run", "run"]
     fresh = by["fresh-1111"]
     assert (fresh["status"], fresh["state"], fresh["step"], fresh["steps"], fresh["world_size"]) == \
-        ("unknown", "RUNNING", 40, 100, 16)
+        ("running", "RUNNING", 40, 100, 16)
     assert fresh["run_dir"] == str(root / "fresh-1111") and abs(fresh["age_s"] - 10) < 5
     assert by["multirun/lr-3333/1"]["sweep"] == "multirun/lr-3333"
     assert by["multirun/lr-3333"]["state"] == "3 points: 1 completed, 1 skipped, 1 unknown"
@@ -221,3 +220,18 @@ def test_the_real_command_lists_a_real_local_run(tmp_path):
     cells = line.split()
     assert cells[0] == run_dir.name and cells[1:5] == ["completed", "ddp", "1x1", "2/2"], listed.stdout
     assert cells[-1] == "local" and float(cells[5]) > 0 and cells[7].endswith("s")
+
+
+def test_a_local_run_that_stopped_writing_is_not_called_running(tmp_path, capsys):
+    """run.json says running, but nothing of the run was written for an hour (a killed
+    launcher leaves it so): unknown; a heartbeat written now makes it running again."""
+    global NOW
+    NOW = time.time()
+    root = tmp_path / "runs"
+    stale = make_run(root, "stale", 3600, rows=3, status="running")
+    code, out, _ = listing(capsys, root, "--no-slurm")
+    assert code == 0 and out.splitlines()[1].split()[1:3] == ["unknown", "(running)"], out
+    (stale / "heartbeat").mkdir()
+    (stale / "heartbeat" / "rank0.json").write_text("{}")
+    code, out, _ = listing(capsys, root, "--no-slurm")
+    assert out.splitlines()[1].split()[1] == "running", out

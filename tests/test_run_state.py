@@ -137,3 +137,12 @@ def test_slurm_states_holds_the_only_sets_of_slurm_states(tmp_path):
     found = [hit for room in ("launcher", "slurm", "spec", "train") for path in sorted((REPO / room).rglob("*.py"))
              if path != REPO / "slurm" / "states.py" for hit in _collections_of_states(path)]
     assert not found, "Slurm states belong in slurm/states.py:\n" + "\n".join(found)
+
+
+def test_a_local_run_is_running_while_its_ranks_write():
+    info = {"status": "running", "job_id": "local"}
+    decide, Outcome = states.decide, states.Outcome
+    assert decide(info, alive=True) == (Outcome.RUNNING, "RUNNING", False)
+    assert decide(info).outcome is Outcome.UNKNOWN  # silent: a killed launcher leaves "running"
+    assert decide({"status": "completed"}, alive=True).outcome is Outcome.COMPLETED
+    assert decide(info, slurm_job=True, alive=True).outcome is Outcome.FAILED  # a Slurm job: the queue decides

@@ -70,6 +70,7 @@ class Entry:
     slurm_conf: Optional[str] = None
     skipped: bool = False  # a sweep's point never submitted
     asked: bool = False  # squeue answered for it
+    alive: bool = False  # a local run whose ranks wrote lately (heartbeats, metrics)
     lost: bool = False  # a Slurm job run.json calls live, not in the queue
     points: List["Entry"] = field(default_factory=list)
 
@@ -129,6 +130,21 @@ def _listing(path: str) -> Dict[str, os.DirEntry]:
         return {}
 
 
+# A local run is running while its ranks write: heartbeats every 1-30 s (watchdog), metrics rows.
+HEARTBEAT, ALIVE_S = "heartbeat", 120.0
+
+
+def _mtimes(folder: Optional[os.DirEntry]) -> List[float]:
+    """The modification times of the files in ``folder`` (a run's heartbeat/: one per rank)."""
+    if folder is None:
+        return []
+    try:
+        with os.scandir(folder.path) as it:
+            return [e.stat().st_mtime for e in it if e.name.endswith(".json")]
+    except OSError:
+        return []
+
+
 def read_run(name: str, path: str, names: Dict[str, os.DirEntry], kind: str = "run") -> Entry:
     """A run directory's line from its files (``names``: its listing)."""
     try:
@@ -153,7 +169,9 @@ def read_run(name: str, path: str, names: Dict[str, os.DirEntry], kind: str = "r
     if steps is None and CONFIG in names:
         steps = config_steps(names[CONFIG].path)
     job = info.get("job_id")
-    return Entry(name=name, run_dir=path, kind=kind, info=info, strategy=info.get("strategy"), nodes=nodes,
+    alive = job == "local" and info.get("status") in ("starting", "running") and \
+        time.time() - max(mtimes + _mtimes(names.get(HEARTBEAT)), default=0) < ALIVE_S
+    return Entry(name=name, run_dir=path, kind=kind, info=info, strategy=info.get("strategy"), nodes=nodes, alive=alive,
                  gpus_per_node=gpus, world_size=world, step=row.get("step"), steps=steps, loss=row.get("loss"),
                  tokens_per_s=row.get("tokens_per_s"), updated_at=max(mtimes) if mtimes else None,
                  job_id=str(job) if job is not None else None, slurm_conf=info.get("slurm_conf"))
@@ -245,7 +263,8 @@ def settle(entries: List[Entry], ask: bool = True) -> Optional[str]:
             e.asked = True
     for e in leaves(entries):
         queued = queues[e.slurm_conf].get(e.job_id) if e.asked else None
-        d = decide(e.info, skipped=e.skipped, queued=queued, slurm_job=is_job_id(e.job_id), slurm_ok=e.asked)
+        d = decide(e.info, skipped=e.skipped, queued=queued, slurm_job=is_job_id(e.job_id), slurm_ok=e.asked,
+                   alive=e.alive)
         e.status, e.state, e.lost = d.outcome.value, d.state, d.lost
     for e in entries:
         if e.kind == "sweep":
