@@ -259,6 +259,19 @@ class FaultConfig:
     # segment), so a requeued, restarted or resumed run runs clean (train/harness/faults.py).
     preflight_slow_restart: int = 0
     hardware_fault_restart: int = 0
+    oom_at_step: int = 0  # raise_rank raises torch.OutOfMemoryError at this step, once per run; 0 = off
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler over chosen steps on chosen ranks (train/profiling.py, docs/observing.md)."""
+    steps: Optional[List[int]] = None  # [START, END]: optimizer steps, 1-based, inclusive; null = none
+    every: int = 0  # also `active` steps from every N-th step (N .. N+active-1, 2N ...); 0 = off
+    active: int = 3  # and what `touch RUN_DIR/PROFILE_NOW` profiles: the next `active` steps
+    ranks: Optional[List[int]] = None  # null: local rank 0 of each node (0, gpus_per_node, ...)
+    shapes: bool = False  # torch's record_shapes
+    memory: bool = False  # profile_memory; on CUDA also the allocator's history all run, every rank
+    with_stack: bool = False  # each op's Python stack
 
 
 @dataclass
@@ -337,6 +350,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
 

@@ -36,6 +36,11 @@ SAVE_NOW = "SAVE_NOW"  # touch RUN_DIR/SAVE_NOW: a checkpoint at the next step b
 # (train/harness/watchdog.py; `python -m launcher.stacks RUN_DIR` touches and reads them).
 STACK_NOW = "STACK_NOW"
 STACKS = "stacks"
+# touch RUN_DIR/PROFILE_NOW: the next profile.active steps run under torch.profiler on
+# profile.ranks (rank 0 sees the file at a step boundary and removes it once the window
+# starts); traces and memory snapshots go to RUN_DIR/profile/ (train/profiling.py).
+PROFILE_NOW = "PROFILE_NOW"
+PROFILE = "profile"
 # Ranks persistently slower than their peers (train/steptimes.py), written by rank 0 of the
 # built-in trainer when one is flagged: step, segment, threshold and each rank's score.
 STRAGGLERS = "stragglers.json"

@@ -32,7 +32,7 @@ _POSITIVE = (
     "model.dim", "model.n_layers", "model.n_heads", "model.vocab_size", "model.max_seq_len",
     "model.multiple_of", "train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum",
     "train.log_every", "train.dist_timeout_s", "train.straggler_steps", "strategy.pp_microbatches", "data.num_tokens",
-    "data.branching", "checkpoint.keep",
+    "data.branching", "checkpoint.keep", "profile.active",
 )
 
 # Must be >= 0: 0 means "off" / "none" where the field's comment says so; null is skipped.
@@ -42,7 +42,7 @@ _NON_NEGATIVE = (
     "cluster.mem_gb", "cluster.cpus_per_task", "checkpoint.every_steps", "checkpoint.every_minutes",
     "optim.lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "data.seed", "fault.step_delay_s", "fault.kill_in_save_at_step",
     "fault.hang_at_step", "fault.hang_s", "fault.raise_at_step", "fault.raise_every_steps", "fault.slow_async_save_s", "train.gc_every_steps",
-    "launcher.max_parallel", "train.straggler_min_s",
+    "launcher.max_parallel", "train.straggler_min_s", "fault.oom_at_step", "profile.every",
 )
 
 # Must be > 0 (and finite): a zero or negative value is meaningless or divides by zero.
@@ -268,6 +268,34 @@ def _check_resources(cfg: RunConfig) -> None:
                               f"cluster.sbatch_extra.{key}")
 
 
+def _check_profile(cfg: RunConfig) -> None:
+    """profile.*: a window of two 1-based steps in order, windows that do not overlap,
+    ranks of the job."""
+    p, c = cfg.profile, cfg.cluster
+    if p.steps is not None:
+        steps = list(p.steps)
+        if len(steps) != 2:
+            raise ConfigError(f"profile.steps={steps} must be [START, END], two optimizer steps (1-based, both "
+                              "profiled); write e.g. profile.steps=[2,3], or null for none")
+        if steps[0] < 1:
+            raise ConfigError(f"profile.steps={steps} starts at {steps[0]}, but steps count from 1; "
+                              f"write e.g. profile.steps=[1,{max(1, steps[1])}]")
+        if steps[0] > steps[1]:
+            raise ConfigError(f"profile.steps={steps}: START {steps[0]} is after END {steps[1]}; "
+                              f"write profile.steps=[{steps[1]},{steps[0]}]")
+    if p.every > 0 and p.active > p.every:
+        raise ConfigError(f"profile.active={p.active} exceeds profile.every={p.every}: its windows would overlap; "
+                          f"set profile.active<={p.every} or a larger profile.every")
+    if p.ranks is not None:
+        world = c.nodes * c.gpus_per_node
+        bad = [r for r in p.ranks if not 0 <= r < world]
+        if bad or not p.ranks:
+            raise ConfigError(f"profile.ranks={list(p.ranks)} " + (f"names rank {bad[0]}, outside" if bad else
+                              "names no rank of") + f" the job's {world} (cluster.nodes={c.nodes} x "
+                              f"cluster.gpus_per_node={c.gpus_per_node}); list ranks from 0 to {world - 1}, or "
+                              "null for local rank 0 of each node")
+
+
 def validate(cfg: RunConfig) -> None:
     """Check field values that do not depend on the layout; raise ConfigError (one line:
     field, value, fix).
@@ -287,6 +315,7 @@ def validate(cfg: RunConfig) -> None:
     _check_numbers(cfg)
     _check_slurm_options(cfg)
     _check_resources(cfg)
+    _check_profile(cfg)
     m = cfg.model
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "

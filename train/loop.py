@@ -25,6 +25,7 @@ from train.harness.watchdog import COLLECTIVE
 from train.metrics import mfu, reset_peaks
 from train.model import build_model
 from train.parallelize import parallelize
+from train.profiling import StepProfiler
 from train.steptimes import FIELDS, StepClock, Stragglers, breakdown, peers
 from train.strategies.base import Engine
 from train.tracking import Tracking
@@ -75,9 +76,15 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
         gc.collect()  # the imports are frozen (train.main.freeze_imports): this scans the run's objects
         gc.disable()
     tracking = Tracking(cfg, task.run_dir, loader.state.step, task.segment, ctx.is_main)
+    profiler = StepProfiler(cfg.profile, task.run_dir, ctx.rank, ctx.world_size, layout.gpus_per_node, ctx.device,
+                            first=loader.state.step + 1, log=log)
     try:
-        return _steps(task, ckpt, engine, loader, tracking)
+        return _steps(task, ckpt, engine, loader, tracking, profiler)
+    except torch.OutOfMemoryError as exc:  # profile.memory=true: the allocator's snapshot first
+        profiler.oom(exc)
+        raise
     finally:
+        profiler.close()
         tracking.close()
         if gc_every > 0:
             gc.enable()
@@ -116,19 +123,21 @@ class Agreed:
     preempted: bool  # some rank got a signal
     save_due: bool  # rank 0 asked for a checkpoint (minutes elapsed, or SAVE_NOW)
     times: Optional[list] = None  # per rank, train.steptimes.FIELDS of this step
+    profile_due: bool = False  # rank 0 saw RUN_DIR/PROFILE_NOW (train/profiling.py)
 
 
 def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
-           save_due: bool, clock: Optional[StepClock] = None) -> Agreed:
+           save_due: bool, clock: Optional[StepClock] = None, profile_due: bool = False) -> Agreed:
     """One small all-gather per step carries each rank's loss, grad norm, peak memory,
-    preemption flag, (rank 0's) "time to save" decision and step times
+    preemption flag, (rank 0's) "time to save" and "profile now" (RUN_DIR/PROFILE_NOW,
+    train/profiling.py) decisions and step times
     (train/steptimes.py), so every rank takes the same branch after it. Sums run in rank
     order on every rank: unlike an all-reduce, whose summation order may vary, the logged
     loss is bitwise reproducible."""
     ctx, flag = task.ctx, task.flag
     reserved = engine.peak_reserved_bytes()
     values = [loss.item(), grad_norm.item(), engine.peak_memory_bytes(), flag.code, float(save_due),
-              -1.0 if reserved is None else reserved]
+              -1.0 if reserved is None else reserved, float(profile_due)]
     task.faults.at_step_end(step, task.watchdog)
     times = clock.arrive() if clock is not None else [0.0] * len(FIELDS)
     local = torch.tensor(values + times, dtype=torch.float64, device=loss.device)
@@ -144,7 +153,8 @@ def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm:
                     grad_norm=float(table[:, 1].sum() / ctx.world_size), peak_mem=int(table[:, 2].max()),
                     peak_reserved=None if table[:, 5].max() < 0 else int(table[:, 5].max()),
                     preempted=bool(table[:, 3].any()), save_due=bool(table[:, 4].any()),
-                    times=table[:, 6:6 + len(FIELDS)].tolist() if clock is not None else None)
+                    profile_due=bool(table[:, 6].any()),
+                    times=table[:, 7:7 + len(FIELDS)].tolist() if clock is not None else None)
     if not math.isfinite(agreed.loss):
         raise FloatingPointError(f"loss is {agreed.loss} at step {step + 1}; lower optim.lr")
     return agreed
@@ -192,7 +202,8 @@ class Meter:
         )
 
 
-def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader, tracking: Tracking) -> Status:
+def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader, tracking: Tracking,
+           profiler: StepProfiler) -> Status:
     cfg, ctx, log = task.cfg, task.ctx, task.log
     meter = Meter(cfg, ctx.world_size, ctx.device.type, loader.global_batch)
     evaluator = Evaluator(cfg, task.layout, ctx)
@@ -207,6 +218,7 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         if cfg.train.gc_every_steps > 0 and step % cfg.train.gc_every_steps == 0:
             gc.collect(1)
         reset_peaks(ctx.device)  # each row's memory is its own step's (not preflight's, build's, eval's)
+        profiler.before(step + 1)
         t0 = time.perf_counter()
         task.watchdog.phase("compute", step)
         lr = lr_at(step, cfg, peak)
@@ -215,7 +227,7 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         clock.data_ready()
         loss, grad_norm = engine.train_step(batches, lr)
         clock.computed()
-        agreed = _agree(task, engine, step, loss, grad_norm, _save_due(task, last_save), clock)
+        agreed = _agree(task, engine, step, loss, grad_norm, _save_due(task, last_save), clock, profiler.asked())
         dt = time.perf_counter() - t0
         val = evaluator.run(engine) if evaluator.due(step + 1) else None
         if ctx.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps or val is not None):
@@ -246,6 +258,7 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         ckpt.poll()
         if cfg.checkpoint.async_save and step == first and ckpt.reserve_async(engine):
             log("host buffers for async saves: being allocated in the background")
+        profiler.after(step + 1, agreed.profile_due)
         task.faults.after_step()
     ckpt.close()
     return Status.COMPLETED

@@ -20,14 +20,19 @@ writes nowhere):
   ``peak_mem_bytes``, ``step_time_s`` and any other number.
 - :func:`requeue`: "I saved, requeue me": when your code returns, the harness requeues
   the job (counted as a preemption or a timeout, up to ``cluster.max_requeues``).
+- :func:`profiled_step`: ``with session.profiled_step(): ...`` around each step gives your
+  loop the built-in trainer's profiler (``profile.*``, ``RUN_DIR/PROFILE_NOW``:
+  train/profiling.py), its steps counted by your calls.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from spec.user_env import RUN_DIR_ENV
 
@@ -47,6 +52,9 @@ class _State:
     requeue: bool = False  # requeue() was called
     started: float = field(default_factory=time.time)
     first_row: Any = None  # called with this segment's first metrics row (rank 0), then dropped
+    profiler: Any = None  # train.profiling.StepProfiler, made by the first profiled_step()
+    profile_asked: bool = False  # rank 0 saw RUN_DIR/PROFILE_NOW since the ranks last agreed
+    profiled_steps: int = 0
 
 
 _state: Optional[_State] = None
@@ -123,3 +131,71 @@ def log(step: int, **metrics: Any) -> None:
     hook, _state.first_row = _state.first_row, None
     if hook is not None:
         hook(row)
+
+
+# Ranks of a process group agree on RUN_DIR/PROFILE_NOW at every this many profiled_step()
+# calls (one small all-reduce): each step's would stall a GPU loop for nothing.
+PROFILE_AGREE_EVERY = 10
+
+
+@contextlib.contextmanager
+def profiled_step(step: Optional[int] = None) -> Iterator[None]:
+    """One step of your loop, as the built-in trainer's steps are profiled: ``profile.steps``,
+    ``profile.every`` / ``active``, ``profile.ranks``, ``RUN_DIR/PROFILE_NOW`` (traces in
+    ``RUN_DIR/profile/``; train/profiling.py). ``step``: its number (1-based); by default
+    the count of calls (pass it when your code resumes from a checkpoint). Call it on every
+    rank the same number of times: with ``torch.distributed`` initialised the ranks agree on
+    PROFILE_NOW every :data:`PROFILE_AGREE_EVERY` steps (an all-reduce); without it only
+    rank 0 sees the file. A ``torch.OutOfMemoryError`` inside it writes the memory dump of
+    ``profile.memory=true``. Outside a toolkit run it does nothing."""
+    prof = _profiler()
+    if prof is None:
+        yield
+        return
+    n = prof.step + 1 if step is None else int(step)
+    prof.before(n)
+    try:
+        yield
+    except BaseException as exc:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(exc, torch.OutOfMemoryError):
+            prof.oom(exc)
+        prof.close()  # a window cut short is written with the steps it has
+        raise
+    prof.after(n, _profile_now(prof))
+
+
+def _profiler() -> Any:
+    if _state is None:
+        return None
+    if _state.profiler is None:
+        import logging
+
+        from spec.config import to_run_config
+        from spec.rundir import CONFIG
+        from spec.user_env import DEVICE_ENV
+        from train.profiling import StepProfiler
+
+        cfg = to_run_config(_state.run_dir / CONFIG)
+        _state.profiler = StepProfiler(cfg.profile, _state.run_dir, _state.rank, _state.world_size,
+                                       cfg.cluster.gpus_per_node, os.environ.get(DEVICE_ENV, "cpu"),
+                                       log=logging.getLogger(f"train.rank{_state.rank}").info)
+    return _state.profiler
+
+
+def _profile_now(prof: Any) -> bool:
+    """Whether the ranks agree that rank 0 saw RUN_DIR/PROFILE_NOW (see profiled_step)."""
+    _state.profile_asked = _state.profile_asked or prof.asked()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        _state.profiled_steps += 1
+        if _state.profiled_steps % PROFILE_AGREE_EVERY:
+            return False
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([float(_state.profile_asked)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        _state.profile_asked = bool(flag.item())
+    asked, _state.profile_asked = _state.profile_asked, False
+    return asked
