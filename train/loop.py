@@ -127,7 +127,7 @@ class Agreed:
 
 
 def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
-           save_due: bool, clock: Optional[StepClock] = None, profile_due: bool = False) -> Agreed:
+           save_due: bool, clock: StepClock, profile_due: bool = False) -> Agreed:
     """One small all-gather per step carries each rank's loss, grad norm, peak memory,
     preemption flag, (rank 0's) "time to save" and "profile now" (RUN_DIR/PROFILE_NOW,
     train/profiling.py) decisions and step times
@@ -139,13 +139,11 @@ def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm:
     values = [loss.item(), grad_norm.item(), engine.peak_memory_bytes(), flag.code, float(save_due),
               -1.0 if reserved is None else reserved, float(profile_due)]
     task.faults.at_step_end(step, task.watchdog)
-    times = clock.arrive() if clock is not None else [0.0] * len(FIELDS)
-    local = torch.tensor(values + times, dtype=torch.float64, device=loss.device)
+    local = torch.tensor(values + clock.arrive(), dtype=torch.float64, device=loss.device)
     gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
     task.watchdog.phase(COLLECTIVE, step)
     dist.all_gather(gathered, local)
-    if clock is not None:
-        clock.release()
+    clock.release()
     task.watchdog.progress(step + 1)
     table = torch.stack(gathered).cpu()
     flag.agreed_requeue = bool(table[:, 3].max() >= 2)  # some rank got the user signal
@@ -154,7 +152,7 @@ def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm:
                     peak_reserved=None if table[:, 5].max() < 0 else int(table[:, 5].max()),
                     preempted=bool(table[:, 3].any()), save_due=bool(table[:, 4].any()),
                     profile_due=bool(table[:, 6].any()),
-                    times=table[:, 7:7 + len(FIELDS)].tolist() if clock is not None else None)
+                    times=table[:, 7:7 + len(FIELDS)].tolist())
     if not math.isfinite(agreed.loss):
         raise FloatingPointError(f"loss is {agreed.loss} at step {step + 1}; lower optim.lr")
     return agreed
