@@ -1,0 +1,48 @@
+"""The model section of the run configuration (``model.*``): the decoder's shape. Pure;
+:mod:`spec.config` re-exports it as part of ``RunConfig``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1's scaling of the rotary frequencies (null type = none)."""
+
+    type: Optional[str] = None  # "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
+
+    name: str = "tiny"
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    # Key/value heads (grouped-query attention); null = n_heads (plain multi-head).
+    n_kv_heads: Optional[int] = None
+    vocab_size: int = 256
+    # SwiGLU hidden size: int(8/3 * dim * ffn_dim_multiplier) rounded up to multiple_of.
+    ffn_dim_multiplier: float = 1.0
+    multiple_of: int = 32
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 256
+    # Share the token embedding with the output head (GPT-2 does, Llama does not).
+    tie_embeddings: bool = False
+    # SwiGLU hidden size given outright (Hugging Face's intermediate_size); null = from
+    # ffn_dim_multiplier and multiple_of as above.
+    ffn_hidden_dim: Optional[int] = None
+    # Llama 3's RoPE frequency scaling (Hugging Face's rope_scaling, rope_type "llama3").
+    rope_scaling: RopeScaling = field(default_factory=lambda: RopeScaling())
+    # A Hugging Face Llama directory (config.json + safetensors): the dimensions above are
+    # read from its config.json at launch and the weights replace the random init
+    # (README "Start from Hugging Face weights"). Nothing is downloaded.
+    hf_path: Optional[str] = None
