@@ -144,6 +144,10 @@ class ShardedLoader:
             raise ValueError(f"data has {self.num_windows} windows of {seq_len} tokens, fewer than one global "
                              f"batch of {self.global_batch}; generate more data (data.num_tokens)")
         self.state = LoaderState()
+        # Target positions that carry loss in the whole global batch of the step next_step
+        # last returned (every micro-batch, every data-parallel rank): the loss is their sum
+        # divided by this. Token data: every position; chat data: the unmasked ones.
+        self.step_targets = self.global_batch * seq_len
         self.trace: Optional[Path] = None
         self._perms: Dict[int, np.ndarray] = {}
 
