@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-# Overrides that do not change what a run computes.
-_IGNORED = ("launcher.wait", "launcher.dry_run", "launcher.root", "launcher.run_dir", "launcher.snapshot", "hydra.",
-            "hydra/")
+# Overrides that do not change what a run computes: the launcher's own switches, a sweep's
+# cap, and the profiler (profiling a run's steps is asked again of the same run directory).
+_IGNORED = ("launcher.wait", "launcher.dry_run", "launcher.root", "launcher.run_dir", "launcher.snapshot",
+            "launcher.max_parallel", "profile.", "hydra.", "hydra/")
 
 
 def _normalise(overrides: Iterable[str]) -> List[str]:
