@@ -89,17 +89,24 @@ def test_every_rank_of_a_running_local_run_answers(tmp_path, capsys):
 
 
 def test_a_users_script_answers_too(tmp_path, capsys):
-    """A user's entry point (no torch) runs the same watchdog thread: its frame is named."""
+    """A user's entry point (no torch) runs the same watchdog thread: its frame is named.
+    Its ranks nap until the test has their stacks (a file ends the nap; at most 120 s), so
+    a rank that starts late under load is still napping when asked."""
     nap = Path(__file__).parent / "fixtures" / "nap.py"
+    line = next(n for n, text in enumerate(nap.read_text().splitlines(), 1) if "time.sleep" in text)
+    woken = tmp_path / "wake"
     result = {}
     run = threading.Thread(target=lambda: result.setdefault("proc", launcher(
-        [f"entrypoint={nap}", "entrypoint_args=[4]", "cluster.gpus_per_node=2"], cwd=tmp_path)))
+        [f"entrypoint={nap}", f"entrypoint_args=[120,{woken}]", "cluster.gpus_per_node=2"], cwd=tmp_path)))
     run.start()
     runs = tmp_path / "runs"
-    run_dir = wait_until(lambda: next((d for d in runs.glob("*") if read_run_json(d).get("status") == "running"), None)
-                         if runs.exists() else None, 60, "the script's ranks")
-    code = stacks.main([str(run_dir), "--timeout", "20"])
+    try:
+        run_dir = wait_until(lambda: next((d for d in runs.glob("*") if read_run_json(d).get("status") == "running"),
+                                          None) if runs.exists() else None, 60, "the script's ranks")
+        code = stacks.main([str(run_dir), "--timeout", "30"])
+    finally:
+        woken.touch()
+        run.join(120)
     out = capsys.readouterr().out
-    run.join(120)
     assert result["proc"].returncode == 0, result["proc"].stdout + result["proc"].stderr
-    assert code == 0 and out.count("nap.py:8 in <module>") == 2, out
+    assert code == 0 and out.count(f"nap.py:{line} in <module>") == 2, out
