@@ -18,6 +18,7 @@ from spec.config import ConfigError, RunConfig
 from spec.data import check_data
 from spec.layout import Layout, build_layout
 from spec.rundir import read_run_json, status_of
+from spec.schedule import schedule
 from spec.support import check_supported
 from spec.validate import validate
 
@@ -36,6 +37,7 @@ def check(cfg: RunConfig, probe: Optional[submit.SlurmProbe] = None) -> Tuple[La
         check_user_layout(cfg, layout)
     else:  # the planner knows the built-in model only
         check_data(cfg)
+        schedule(cfg, layout)  # train.epochs: the steps the data gives (refused when it cannot be read)
         check_fits(cfg, layout)  # refuse what is predicted not to fit (launcher.allow_oom=true overrides)
     slurm_conf = None
     if cfg.cluster.backend == "slurm" and not cfg.launcher.dry_run:

@@ -30,6 +30,7 @@ from spec.config import ConfigError, RunConfig
 from spec.hf import apply_hf_model
 from spec.layout import Layout
 from spec.rundir import CONFIG, SBATCH, Status, read_run_json, status_of, update_run_json
+from spec.schedule import schedule, schedule_line
 
 
 @dataclass
@@ -200,7 +201,7 @@ def dry_run(p: Point) -> int:
     if p.entry is not None:
         print(task_view(p))
     else:
-        print(batch_line(p.cfg, p.layout))
+        print(batch_lines(p.cfg, p.layout))
     print(f"dry run: nothing submitted\nrun_dir: {p.run_dir}")
     return 0
 
@@ -233,10 +234,16 @@ def run_point(session: Session, dcfg, run_dir: Path, label: str, overrides: List
     return code
 
 
+def batch_lines(cfg: RunConfig, layout: Layout) -> str:
+    """The built-in trainer's global batch and schedule (spec/batch.py, spec/schedule.py)."""
+    return f"{batch_line(cfg, layout)}\n{schedule_line(cfg, schedule(cfg, layout))}"
+
+
 def _common(cfg: RunConfig, layout: Layout, run_dir: Path) -> Dict[str, object]:
+    steps = cfg.train.steps if cfg.entrypoint else schedule(cfg, layout).total_steps  # train.epochs: derived
     return dict(strategy=cfg.strategy.name, nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node,
-                world_size=layout.world_size, steps=cfg.train.steps, cluster=cfg.cluster.name, model=cfg.model.name,
-                run_dir=str(run_dir))
+                world_size=layout.world_size, steps=steps, epochs=cfg.train.epochs or None, cluster=cfg.cluster.name,
+                model=cfg.model.name, run_dir=str(run_dir))
 
 
 def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[int] = None) -> int:
@@ -250,7 +257,7 @@ def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[in
     if cfg.cluster.backend != "slurm":
         update_run_json(run_dir, status=Status.STARTING, job_id="local", requeues_since_submit=0,
                         code_snapshot=snapshot.record(None, cfg), **_common(cfg, layout, run_dir))
-        print(f"local run: {layout.world_size} ranks on this machine\n{batch_line(cfg, layout)}\nrun_dir: {run_dir}",
+        print(f"local run: {layout.world_size} ranks on this machine\n{batch_lines(cfg, layout)}\nrun_dir: {run_dir}",
               flush=True)
         code = local.run_local(cfg, layout, run_dir)
         end = after_local_exit(status_of(read_run_json(run_dir)), code)
@@ -283,7 +290,7 @@ def submitted(session: Optional[Session], p: Point, job_id: str) -> None:
     print(f"submitted job {job_id} ({p.label}): {p.cfg.cluster.nodes} node(s) x {p.cfg.cluster.gpus_per_node} tasks")
     print(snapshot.describe(p.frozen, p.cfg, "froze"))
     if p.entry is None:
-        print(batch_line(p.cfg, p.layout))
+        print(batch_lines(p.cfg, p.layout))
     print(f"run_dir: {p.run_dir}", flush=True)
 
 

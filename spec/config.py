@@ -92,7 +92,11 @@ class DataConfig:
 class OptimConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
+    # Linear warmup over this many steps, then cosine decay to min_lr_ratio x the peak.
     warmup_steps: int = 2
+    # Warmup as a fraction of the run's steps, in [0, 1): ceil(ratio x steps), as Hugging
+    # Face's Trainer counts it. null = optim.warmup_steps; set one of the two, not both.
+    warmup_ratio: Optional[float] = None
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -107,7 +111,12 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
+    # Optimizer steps of the run (ignored, and must stay 50, when train.epochs is set).
     steps: int = 50
+    # Passes over the training data; 0 = off (train.steps counts). > 0: the steps are
+    # ceil(epochs x samples per epoch / global batch in samples) (spec/schedule.py),
+    # fractional epochs allowed (0.5: half a pass); printed at launch and in the dry run.
+    epochs: float = 0.0
     # Sequences per rank per micro-step.
     micro_batch_size: int = 8
     seq_len: int = 64

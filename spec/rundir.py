@@ -152,6 +152,9 @@ class MetricsRow(MappingABC):
     optim_s: Optional[Dict[str, float]] = None
     busy_s: Optional[Dict[str, float]] = None
     wait_s: Optional[Dict[str, float]] = None
+    # Epochs done after this step: samples of the global stream seen / samples per epoch
+    # (spec/schedule.py), whatever train.epochs or train.steps set the run's length.
+    epoch: Optional[float] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     _ALWAYS = ("mfu",)  # written even when None (readers tell "no peak" from "not measured")

@@ -11,6 +11,7 @@ from typing import Any
 
 from spec.ac_modes import NAMES
 from spec.config import ConfigError, RunConfig
+from spec.schedule import check_length
 
 _CHOICES = {
     "cluster.backend": ("local", "slurm"),
@@ -43,6 +44,7 @@ _NON_NEGATIVE = (
     "optim.lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "data.seed", "fault.step_delay_s", "fault.kill_in_save_at_step",
     "fault.hang_at_step", "fault.hang_s", "fault.raise_at_step", "fault.raise_every_steps", "fault.slow_async_save_s", "train.gc_every_steps",
     "launcher.max_parallel", "train.straggler_min_s", "fault.oom_at_step", "profile.every",
+    "train.epochs",
 )
 
 # Must be > 0 (and finite): a zero or negative value is meaningless or divides by zero.
@@ -316,6 +318,7 @@ def validate(cfg: RunConfig) -> None:
     _check_slurm_options(cfg)
     _check_resources(cfg)
     _check_profile(cfg)
+    check_length(cfg)
     m = cfg.model
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "

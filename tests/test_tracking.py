@@ -5,7 +5,9 @@
   metrics.jsonl) and the same W&B run (the resumed segment carries the run's id and
   starts where the checkpoint was);
 - the global batch and the peak learning rate (none / linear / sqrt scaling) are
-  printed at launch and used by the trainer (the lr in metrics.jsonl).
+  printed at launch and used by the trainer (the lr in metrics.jsonl); so are the
+  schedule's steps and warmup from train.epochs and optim.warmup_ratio, and each row's
+  epoch (tests/test_schedule.py: the arithmetic).
 """
 from __future__ import annotations
 
@@ -100,17 +102,24 @@ def test_peak_lr_follows_the_global_batch(rule, factor):
 
 def test_launch_prints_the_batch_and_uses_the_scaled_lr(tmp_path):
     dry = launcher(["+cluster=a100x8", "cluster.nodes=2", "+strategy=zero2", "train.grad_accum=4",
-                    "optim.lr_scaling=linear", "optim.base_global_batch=128", "launcher.dry_run=true"], cwd=tmp_path)
+                    "optim.lr_scaling=linear", "optim.base_global_batch=128", "train.epochs=2",
+                    "optim.warmup_ratio=0.05", "launcher.dry_run=true"], cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr
     assert ("global batch: 512 sequences = 32,768 tokens per step (micro 8 x accum 4 x dp 16, seq_len 64); "
-            "peak lr 0.012 (optim.lr 0.003 x 4.000: linear scaling from base_global_batch=128)") in dry.stdout
+            "peak lr 0.012 (optim.lr 0.003 x 4.000: linear scaling from base_global_batch=128)\n"
+            # markov data: (2,000,000 tokens - 1) // 64 samples; ceil(2 x 31,249 / 512) steps
+            "schedule: samples per epoch 31,249 = 61.0 steps of 512; 123 steps (train.epochs=2) = 2.015 epochs; "
+            "warmup 7 steps (optim.warmup_ratio=0.05)") in dry.stdout
     refused = launcher(["optim.lr_scaling=sqrt", "launcher.dry_run=true"], cwd=tmp_path)
     assert refused.returncode == 2 and "optim.lr_scaling=sqrt needs optim.base_global_batch" in refused.stderr
-    run = launcher(["train.steps=3", "train.seq_len=32", "data.num_tokens=50000", "optim.warmup_steps=1",
+    # 0.03 epochs of 1,562 samples (50,000 tokens / 32): 47 samples, 3 steps of 16; warmup ceil(0.2 x 3) = 1
+    run = launcher(["train.epochs=0.03", "train.seq_len=32", "data.num_tokens=50000", "optim.warmup_ratio=0.2",
                     "optim.lr_scaling=linear", "optim.base_global_batch=4", f"launcher.run_dir={tmp_path / 'r'}"],
                    cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "global batch: 16 sequences" in run.stdout
+    assert "global batch: 16 sequences" in run.stdout and "3 steps (train.epochs=0.03)" in run.stdout
     rows = read_metrics(tmp_path / "r")
     assert math.isclose(rows[0]["lr"], 0.003 * 16 / 4)  # the peak after a 1-step warmup: 4x optim.lr
-    assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "completed"
+    assert [(r["step"], r["epoch"]) for r in rows] == [(k, 16 * k / 1562) for k in (1, 2, 3)]
+    info = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert (info["status"], info["steps"], info["epochs"]) == ("completed", 3, 0.03)

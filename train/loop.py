@@ -15,7 +15,8 @@ import torch.distributed as dist
 from spec.batch import peak_lr
 from spec.config import CheckpointConfig, RunConfig
 from spec.model_size import flops_per_token
-from spec.rundir import STEPTIMES, STRAGGLERS, MetricsRow, Status, read_run_json, shape_line
+from spec.rundir import STEPTIMES, STRAGGLERS, MetricsRow, Status, read_run_json, shape_line, update_run_json
+from spec.schedule import schedule, schedule_line
 from train.checkpoint import Checkpointer
 from train.evaluate import Evaluator, perplexity
 from train.data import ShardedLoader, file_dtype, token_file
@@ -70,6 +71,7 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
         if "reshaped_from" in restored:  # README: Resume on another shape
             log(f"resharded: saved by {shape_line(restored['reshaped_from'])}, resumed on "
                 f"{shape_line(ckpt.shape)} at global sample {loader.state.samples}")
+    task.cfg = cfg = _schedule(task, loader)
 
     gc_every = cfg.train.gc_every_steps
     if gc_every > 0:  # see TrainConfig.gc_every_steps; re-enabled on the way out
@@ -88,6 +90,21 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
         tracking.close()
         if gc_every > 0:
             gc.enable()
+
+
+def _schedule(task: Task, loader: ShardedLoader) -> RunConfig:
+    """The config the steps run: train.steps and optim.warmup_steps as train.epochs and
+    optim.warmup_ratio derive them (spec/schedule.py), from where the loader stands."""
+    cfg = task.cfg
+    sched = schedule(cfg, task.layout, loader.state.step, loader.state.samples)
+    if sched.samples_per_epoch != loader.num_windows:  # the launch's count is not the loader's epoch
+        raise RuntimeError(f"spec.schedule.samples_per_epoch counts {sched.samples_per_epoch} samples, the loader "
+                           f"{loader.num_windows} an epoch: make them agree")
+    if task.ctx.is_main:
+        task.log(schedule_line(cfg, sched))
+        if read_run_json(task.run_dir).get("steps", sched.total_steps) != sched.total_steps:  # another global batch
+            update_run_json(task.run_dir, steps=sched.total_steps)
+    return sched.apply(cfg)
 
 
 def _build_and_restore(task: Task, ckpt: Checkpointer) -> Tuple[Engine, Optional[Dict[str, Any]]]:
@@ -187,9 +204,9 @@ class Meter:
         self.peak = cfg.cluster.peak_tflops_bf16 if self.n_gpus else None
 
     def row(self, step: int, lr: float, agreed: Agreed, dt: float, segment: int,
-            val: Optional[float] = None) -> MetricsRow:
+            val: Optional[float] = None, epoch: Optional[float] = None) -> MetricsRow:
         return MetricsRow(
-            val_loss=val, val_ppl=None if val is None else perplexity(val),
+            val_loss=val, epoch=epoch, val_ppl=None if val is None else perplexity(val),
             step=step + 1, loss=agreed.loss, lr=lr, grad_norm=agreed.grad_norm, step_time_s=dt,
             tokens_per_s=self.tokens_per_step / dt, samples_per_s=self.global_batch / dt,
             peak_mem_bytes=agreed.peak_mem, peak_reserved_bytes=agreed.peak_reserved,
@@ -229,7 +246,7 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         dt = time.perf_counter() - t0
         val = evaluator.run(engine) if evaluator.due(step + 1) else None
         if ctx.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps or val is not None):
-            row = meter.row(step, lr, agreed, dt, task.segment, val)
+            row = meter.row(step, lr, agreed, dt, task.segment, val, epoch=loader.state.samples / loader.num_windows)
             task.write_metrics(row)
             tracking.log(row)
             log(f"step {step + 1}/{cfg.train.steps} loss {agreed.loss:.4f} tokens/s "

@@ -20,7 +20,7 @@ from spec.rundir import REGISTRY, TENSORBOARD, WANDB, MetricsRow
 
 # Metrics rows' fields that are scalars worth a chart (the rest are bookkeeping).
 SCALARS = ("loss", "val_loss", "val_ppl", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "mfu",
-           "peak_mem_bytes", "step_time_s", "compute_time_s", "comm_time_s")
+           "peak_mem_bytes", "step_time_s", "compute_time_s", "comm_time_s", "epoch")
 # Fields of where a step's time went (train/steptimes.py): their median and max over ranks,
 # charted as time/<field>/median and time/<field>/max.
 BREAKDOWN = ("data_s", "fwd_bwd_s", "optim_s", "busy_s", "wait_s")
