@@ -6,8 +6,9 @@
   every GPU's health fields parsed (a number, a flag or "not supported", never a raw
   string), no fault reported on a healthy machine. Prints what nvidia-smi printed.
 - ``write_hf DIR``: a small Hugging Face Llama written by transformers (weights generated
-  here, never downloaded), for the ``hf/zero3`` row (also under ``--dry``: the launcher's
-  dry run of that row reads its config.json and safetensors headers).
+  here, never downloaded), for the ``hf/zero3`` row (under ``--dry`` the same shapes as
+  zeros through our own writer: the launcher's dry run of that row reads only its
+  config.json and safetensors headers).
 - ``binding_task SCRATCH`` / ``binding_node SCRATCH``: one task with LOCAL_RANK 3 of 4 on
   a node whose tasks each see one GPU (the caller sets CUDA_VISIBLE_DEVICES to one
   device). Under ``cluster.gpu_binding=task`` the harness takes cuda:0 and a ZeRO-2 step
@@ -52,17 +53,42 @@ def health(dry: bool) -> int:
     return 1 if raw or report["unhealthy"] else 0
 
 
-def write_hf(path: str) -> int:
-    import torch  # a few MB on CPU in a second: written in --dry too, for the launcher's check
+def write_hf(path: str, dry: bool = False) -> int:
+    """The model written by transformers (the GPU row loads what transformers wrote); under
+    ``--dry`` the same config.json and safetensors of zeros, written without torch or
+    transformers (~0.1 s instead of ~9 CPU-s of imports): the launcher's dry run reads only
+    the config and the tensors' headers."""
+    if dry:
+        return _write_hf_headers(Path(path))
+    import torch  # a few MB on CPU in a second
     import transformers
 
-
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
-                                   max_position_embeddings=512)
+    cfg = transformers.LlamaConfig(**HF_SHAPE, max_position_embeddings=512)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     print(f"wrote {path}: {sorted(p.name for p in Path(path).iterdir())}")
+    return 0
+
+
+HF_SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=2, vocab_size=256)
+
+
+def _write_hf_headers(path: Path) -> int:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from spec.config import ModelConfig
+    from spec.hf import expected_shapes, hf_config
+
+    m = ModelConfig(dim=HF_SHAPE["hidden_size"], ffn_hidden_dim=HF_SHAPE["intermediate_size"],
+                    n_layers=HF_SHAPE["num_hidden_layers"], n_heads=HF_SHAPE["num_attention_heads"],
+                    n_kv_heads=HF_SHAPE["num_key_value_heads"], vocab_size=HF_SHAPE["vocab_size"], max_seq_len=512)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config(m), indent=1))
+    save_file({name: np.zeros(shape, np.float32) for name, shape in expected_shapes(m).items()},
+              str(path / "model.safetensors"))
+    print(f"wrote {path} (--dry: zeros, our writer): {sorted(p.name for p in path.iterdir())}")
     return 0
 
 
@@ -73,7 +99,7 @@ def main(argv: list) -> int:
     if name == "health":
         return health(dry)
     if name == "write_hf":
-        return write_hf(args[1])
+        return write_hf(args[1], dry)
     if name in ("binding_task", "binding_node"):
         from bench.gpu_check_binding import binding_row
 
