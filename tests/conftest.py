@@ -152,19 +152,33 @@ def shard_files(weights: dict, n: int) -> List[List[str]]:
     return parts
 
 
-@pytest.hookimpl(trylast=True)  # after -m / -k have deselected: the weights are of what runs
+def shard_select(ids: List[str], k: int, n: int, known: dict) -> List[str]:
+    """The test ids of part ``k`` of ``n``: whole files dealt by :func:`shard_files`, each
+    file weighed by its tests' seconds in ``known`` (tests/durations.json; a test not
+    listed: 10 s, a guess until the list is refreshed)."""
+    weights: dict = {}
+    for nodeid in ids:
+        name = nodeid.split("::", 1)[0]
+        weights[name] = weights.get(name, 0.0) + float(known.get(nodeid, 10.0))
+    mine = set(shard_files(weights, n)[k - 1])
+    return [i for i in ids if i.split("::", 1)[0] in mine]
+
+
 class _Collected:
-    """Every collected test id, before -m, -k and --shard select (test_docs_gpu reads it)."""
+    """Every collected test id and its markers, before -m, -k and --shard select
+    (tests/test_docs_gpu.py and tests/test_suite_shards.py read them)."""
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config, items):
         config.sto_collected = {item.nodeid for item in items}
+        config.sto_marks = {item.nodeid: {m.name for m in item.iter_markers()} for item in items}
 
 
 def pytest_configure(config):
     config.pluginmanager.register(_Collected(), "sto-collected")
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected: the weights are of what runs
 def pytest_collection_modifyitems(config, items):
     spec = config.getoption("--shard")
     if not spec:
@@ -178,14 +192,9 @@ def pytest_collection_modifyitems(config, items):
     import json
 
     known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    files: dict = {}
-    for item in items:
-        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    # seconds per test of each file; a test not listed: 10 s (a guess until the list is refreshed)
-    weights = {f: sum(float(known.get(i.nodeid, 10.0)) for i in its) for f, its in files.items()}
-    mine = set(shard_files(weights, n)[k - 1])
-    config.hook.pytest_deselected(items=[i for i in items if i.nodeid.split("::", 1)[0] not in mine])
-    items[:] = [i for i in items if i.nodeid.split("::", 1)[0] in mine]
+    mine = set(shard_select([i.nodeid for i in items], k, n, known))
+    config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in mine])
+    items[:] = [i for i in items if i.nodeid in mine]
 
 
 # --- STO_TEST_CPU=FILE: CPU seconds of each test, appended as JSON lines -------------------

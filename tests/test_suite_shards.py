@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, shard_files
+from conftest import DURATIONS, REPO, shard_files, shard_select
 
 
 def test_files_are_dealt_heaviest_first_to_the_lightest_part():
@@ -39,10 +39,30 @@ RUNS = {"every": ["-m", "slurm"], "whole": ["-m", "slurm_whole"], "bad": ["--sha
 
 
 @pytest.fixture(scope="module")
-def collections() -> dict:
-    proc = subprocess.run([sys.executable, "-c", COLLECT, json.dumps(RUNS)], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+def collections(request) -> dict:
+    """Each run's test ids. Within the suite (every test file collected: tests/run_suite.sh's
+    runs), from the suite's own collection and markers (tests/conftest.py ``_Collected``)
+    through the very selection ``--shard`` applies (``shard_select``): no second collection
+    of the suite (~27 CPU-s). Alone, pytest collects each run in a subprocess."""
+    marks = getattr(request.config, "sto_marks", {})
+    files = {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")}
+    if not files <= {i.split("::", 1)[0] for i in marks}:
+        proc = subprocess.run([sys.executable, "-c", COLLECT, json.dumps(RUNS)], cwd=REPO, capture_output=True,
+                              text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.splitlines()[-1])
+    known = json.loads(DURATIONS.read_text())
+    ids = sorted(marks)
+    slurm = [i for i in ids if "slurm" in marks[i]]
+    pairs = [i for i in slurm if "slurm_whole" not in marks[i]]
+    others = [i for i in ids if "slurm" not in marks[i]]
+    runs = {"every": slurm, "whole": [i for i in slurm if "slurm_whole" in marks[i]], "others": others,
+            **{f"part{k}": shard_select(pairs, k, 2, known) for k in (1, 2)},
+            **{f"other{k}": shard_select(others, k, 2, known) for k in (1, 2)}}
+    bad = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "--shard=3/2", "tests/test_provenance.py"], cwd=REPO, capture_output=True, text=True)
+    return {**{key: {"ids": sorted(v)} for key, v in runs.items()},
+            "bad": {"code": bad.returncode, "output": bad.stdout + bad.stderr}}
 
 
 def test_the_slurm_runs_split_the_slurm_tests_exactly(collections):
