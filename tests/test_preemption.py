@@ -6,6 +6,7 @@ run.json and every segment's metrics kept.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -150,6 +151,16 @@ def test_scancel_saves_but_never_requeues(tmp_path, slurm_cluster):
     assert [h["host"] for h in heads] == read_run_json(run_dir)["hostnames"], (heads, asked.stdout)
     assert "stacks of 2/2 ranks" in asked.stdout
     print(asked.stdout)  # the seconds it took, for the record
+    # and a profile of its next steps on both nodes, asked by a touch (item 3; tests/test_profiling.py)
+    (run_dir / "PROFILE_NOW").touch()
+    traces = wait_until(lambda: sorted((run_dir / "profile").glob("step_*/rank*.json.gz"))
+                        if len(list((run_dir / "profile").glob("step_*/rank*.json.gz"))) == 2 else None,
+                        60, "traces of ranks 0 and 1 (local rank 0 of each node)")
+    assert [t.name for t in traces] == ["rank0.json.gz", "rank1.json.gz"] and traces[0].parent == traces[1].parent
+    start = int(traces[0].parent.name.split("_")[1])
+    for trace in traces:
+        assert f"ProfilerStep#{start}" in gzip.decompress(trace.read_bytes()).decode(), trace
+    assert not (run_dir / "PROFILE_NOW").exists()
     subprocess.run(["scancel", job], env=slurm_cluster, check=True)
     wait_until(lambda: job_gone(job, slurm_cluster), 60, "the cancelled job to leave the queue")
     time.sleep(8)  # longer than cred_expire: a requeued job would be back by now
