@@ -82,6 +82,7 @@ class FaultConfig:
     preflight_slow_restart: int = 0
     hardware_fault_restart: int = 0
     oom_at_step: int = 0  # raise_rank raises torch.OutOfMemoryError at this step, once per run; 0 = off
+    oom_in_build: bool = False  # ... and this: once the model is built, before a checkpoint loads (once per run)
 
 
 @dataclass

@@ -80,8 +80,21 @@ def test_an_oom_writes_each_ranks_dump_and_fails_the_run(trained):
     for rank in (0, 1):  # profile.memory=true: every rank records; on CPU the JSON says there is no snapshot
         dump = json.loads((run_dir / PROFILE / f"oom_rank{rank}.json").read_text())
         assert (dump["rank"], dump["step"], dump["cuda"], dump["snapshot"]) == (rank, 14, False, None)
-        assert "OutOfMemoryError" in dump["error"] and "no CUDA" in dump["why"]
+        assert "OutOfMemoryError" in dump["error"] and "no CUDA" in dump["why"] and dump["where"] == "at step 14"
     assert len(read_metrics(run_dir)) == 13
+
+
+def test_an_oom_while_building_is_dumped_too(tmp_path):
+    """The profiler exists before the model is built (on CUDA its allocator history covers the
+    build): an out-of-memory error there is dumped as one in a step is."""
+    proc = launcher(["cluster.gpus_per_node=1", "train.steps=2", "profile.memory=true", "fault.oom_in_build=true"],
+                    cwd=tmp_path)
+    assert proc.returncode != 0 and "status: failed" in proc.stdout, proc.stdout + proc.stderr
+    run_dir = run_dir_of(proc.stdout)
+    dump = json.loads((run_dir / PROFILE / "oom_rank0.json").read_text())
+    assert (dump["where"], dump["step"], dump["rank"]) == ("while building the model or loading its checkpoint", 0, 0), dump
+    assert "fault.oom_in_build" in dump["error"] and read_metrics(run_dir) == []
+    assert "profile: out of memory while building the model or loading its checkpoint" in (run_dir / "logs" / "rank0.log").read_text()
 
 
 def test_a_users_loop_is_profiled_on_the_ranks_asked(tmp_path):

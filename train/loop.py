@@ -62,7 +62,15 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
     coords = layout.coords(ctx.rank)
     if cfg.fault.trace_samples and coords["tp"] == coords["pp"] == 0:  # one rank per data-parallel share
         loader.trace = task.run_dir / "logs" / f"samples_seg{task.segment}_rank{ctx.rank}.txt"
-    engine, restored = _build_and_restore(task, ckpt)
+    # Made before the build: with profile.memory, CUDA's allocator history covers the build too
+    # and an out-of-memory error while building is dumped as one in a step is.
+    profiler = StepProfiler(cfg.profile, task.run_dir, ctx.rank, ctx.world_size, layout.gpus_per_node, ctx.device,
+                            log=log)
+    try:
+        engine, restored = _build_and_restore(task, ckpt)
+    except torch.OutOfMemoryError as exc:
+        profiler.oom(exc, "while building the model or loading its checkpoint")
+        raise
     if cfg.checkpoint.async_save:
         ckpt.prepare_async()
     if restored is not None:
@@ -78,8 +86,7 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
         gc.collect()  # the imports are frozen (train.main.freeze_imports): this scans the run's objects
         gc.disable()
     tracking = Tracking(cfg, task.run_dir, loader.state.step, task.segment, ctx.is_main)
-    profiler = StepProfiler(cfg.profile, task.run_dir, ctx.rank, ctx.world_size, layout.gpus_per_node, ctx.device,
-                            first=loader.state.step + 1, log=log)
+    profiler.begin_at(loader.state.step + 1)
     try:
         return _steps(task, ckpt, engine, loader, tracking, profiler)
     except torch.OutOfMemoryError as exc:  # profile.memory=true: the allocator's snapshot first
@@ -119,6 +126,7 @@ def _build_and_restore(task: Task, ckpt: Checkpointer) -> Tuple[Engine, Optional
         return parallelize(build_model(built.model, "meta"), built, layout, ctx)
 
     engine = build()
+    task.faults.after_build()
     log(f"rank {ctx.rank} coords {layout.coords(ctx.rank)} device {ctx.device} backend {ctx.backend}")
     restored = ckpt.load_latest(engine, log)
     if restored is None and ckpt.engine_dirty:  # a rejected checkpoint was partly read into it

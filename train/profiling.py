@@ -84,9 +84,7 @@ class StepProfiler:
         self.is_main = rank == 0
         self.cuda = str(device).startswith("cuda")
         self.log = log or (lambda line: None)
-        self.window: Optional[Window] = next_window(cfg, first)
-        self._begin = self.window[0] if self.window else _NEVER
-        self.step = first - 1  # the last step begun
+        self.begin_at(first)
         self.on_request = False  # the window was asked for with PROFILE_NOW
         self._next_look = 0.0
         self._prof: Any = None
@@ -97,6 +95,12 @@ class StepProfiler:
 
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES, stacks="python")
             self.history = True
+
+    def begin_at(self, first: int) -> None:
+        """The loop's first step is ``first`` (a resumed run's: the step after its checkpoint)."""
+        self.window: Optional[Window] = next_window(self.cfg, first)
+        self._begin = self.window[0] if self.window else _NEVER
+        self.step = first - 1  # the last step begun
 
     # ---- the step hooks ------------------------------------------------------------
     def before(self, step: int) -> None:
@@ -139,16 +143,18 @@ class StepProfiler:
         self._stop()
         self._plan(next_window(self.cfg, self.step + 1), on_request=False)
 
-    def oom(self, exc: BaseException) -> None:
-        """This rank ran out of memory: with ``profile.memory``, write what it knows (the CUDA
-        allocator's snapshot when its history was on) before the error ends the task. Never raises."""
+    def oom(self, exc: BaseException, when: str = "") -> None:
+        """This rank ran out of memory (at a step, or ``when`` says where: building the model):
+        with ``profile.memory``, write what it knows (the CUDA allocator's snapshot when its
+        history was on) before the error ends the task. Never raises."""
         if not self.cfg.memory:
             return
         try:
             folder = self.run_dir / PROFILE
             folder.mkdir(parents=True, exist_ok=True)
-            info = {"rank": self.rank, "step": self.step, "error": f"{type(exc).__name__}: {str(exc)[:500]}",
-                    "time": time.time(), "cuda": self.cuda, "snapshot": None}
+            where = when or f"at step {self.step}"
+            info = {"rank": self.rank, "step": self.step, "where": where, "time": time.time(), "cuda": self.cuda,
+                    "error": f"{type(exc).__name__}: {str(exc)[:500]}", "snapshot": None}
             if self.history:
                 import torch
 
@@ -157,7 +163,7 @@ class StepProfiler:
             else:
                 info["why"] = "no CUDA on this rank: the allocator's history (the .pickle snapshot) is CUDA's alone"
             _write_json(folder / f"oom_rank{self.rank}.json", info)
-            self.log(f"profile: out of memory at step {self.step}: {PROFILE}/oom_rank{self.rank}"
+            self.log(f"profile: out of memory {where}: {PROFILE}/oom_rank{self.rank}"
                      f"{'.pickle' if self.history else '.json'} written")
         except Exception as err:  # noqa: BLE001 - the OOM is the error to report, not this
             self.log(f"profile: no out-of-memory dump: {type(err).__name__}: {err}")

@@ -74,6 +74,13 @@ class Faults:
         slow = self.rank == self.cfg.preflight_slow_rank and self.in_this_segment(self.cfg.preflight_slow_restart)
         return self.cfg.preflight_slow_s if slow else 0.0
 
+    def after_build(self) -> None:
+        """``fault.oom_in_build``: rank ``raise_rank`` runs out of memory once its model is built."""
+        if self.cfg.oom_in_build and self.cfg.raise_rank in (-1, self.rank) and self.once("oom_in_build", 0):
+            import torch  # the trainer's, already imported
+
+            raise torch.OutOfMemoryError("CUDA out of memory (fault.oom_in_build: injected)")
+
     def at_step_end(self, step: int, watchdog: Watchdog) -> None:
         """``step``: the index of the step that just ran (0-based); the config counts from 1."""
         fault = self.cfg
