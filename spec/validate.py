@@ -6,6 +6,7 @@ put in an sbatch script or a shell line, and the cross-field checks. Every failu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -66,6 +67,7 @@ _RANGES = {
 # Characters that end a line of the sbatch script (C0/C1 controls: newline, CR, tab, ...,
 # and Unicode line/paragraph separators); none is ever sensible in a name or a path.
 _CONTROL = frozenset(map(chr, [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029]))
+_CONTROL_RE = re.compile("[" + "".join(sorted(re.escape(ch) for ch in _CONTROL)) + "]")
 
 # Shell lines by design (each item may hold several lines): not checked, see validate().
 _SHELL_FIELDS = ("cluster.setup",)
@@ -122,11 +124,17 @@ def _finite(value: float) -> bool:
     return value == value and abs(value) != float("inf")  # NaN != NaN
 
 
+@functools.lru_cache(maxsize=None)
+def _field_names(cls: type) -> tuple:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def _strings(obj: Any, prefix: str):
-    """(dotted field, value) of every string in the config, env values included."""
-    for f in dataclasses.fields(obj):
-        key, value = prefix + f.name, getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
+    """(dotted field, value) of every string in the config, env values included. (The
+    planner validates every layout it weighs: thousands of configs for one refusal.)"""
+    for name in _field_names(type(obj)):
+        key, value = prefix + name, getattr(obj, name)
+        if hasattr(value, "__dataclass_fields__"):
             yield from _strings(value, key + ".")
         elif key in _SHELL_FIELDS:
             continue
@@ -138,14 +146,15 @@ def _strings(obj: Any, prefix: str):
             yield from ((f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, str))
 
 
-def _check_strings(cfg: RunConfig) -> None:
+def check_strings(cfg: RunConfig) -> None:
     for name in cfg.cluster.env:
         if not (isinstance(name, str) and name.isascii() and name.isidentifier()):
             raise ConfigError(f"cluster.env has the variable name {name!r}, which is not a shell identifier; "
                               "use letters, digits and _ only, not starting with a digit (e.g. NCCL_DEBUG)")
     for key, value in _strings(cfg, ""):
-        bad = next((ch for ch in value if ch in _CONTROL), None)
-        if bad is not None:
+        found = _CONTROL_RE.search(value)
+        if found is not None:
+            bad = found.group()
             raise ConfigError(f"{key}={value!r} contains the control character {bad!r}, which would split a "
                               "line of the sbatch script; remove it")
     for key in _SBATCH_FIELDS:
@@ -298,7 +307,7 @@ def _check_profile(cfg: RunConfig) -> None:
                               "null for local rank 0 of each node")
 
 
-def validate(cfg: RunConfig) -> None:
+def validate(cfg: RunConfig, strings: bool = True) -> None:
     """Check field values that do not depend on the layout; raise ConfigError (one line:
     field, value, fix).
 
@@ -311,9 +320,12 @@ def validate(cfg: RunConfig) -> None:
     list. Everything else (spaces, quotes, ``$()``, ``;``, unicode) is allowed: the
     renderer shell-quotes it. ``cluster.setup`` is NOT checked: its items are shell lines
     by design, run as written before srun (an item may hold several lines); whoever writes
-    the config runs them, so quote inside them yourself.
+    the config runs them, so quote inside them yourself. ``strings=False`` leaves the strings
+    out: the planner checks them once for the thousands of layouts it weighs, whose strings
+    are the user's config's or its own presets' (launcher/plan/costmodel.py).
     """
-    _check_strings(cfg)
+    if strings:
+        check_strings(cfg)
     _check_numbers(cfg)
     _check_slurm_options(cfg)
     _check_resources(cfg)

@@ -27,9 +27,11 @@ CONTRACT = ("strategy", "params", "dp_degree", "param_bytes", "grad_bytes", "opt
 
 
 def plan_cli(args, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "launcher.plan", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    """``python -m launcher.plan ARGS``, forked from the warm server (tests/warm.py: ~1.3 CPU-s
+    of imports a call saved; its cold start without torch is tests/test_login_side.py's)."""
+    import warm
+
+    return warm.run_module("launcher.plan", list(args), cwd=REPO, timeout=timeout)
 
 
 @pytest.mark.parametrize("name", group_options("model"))

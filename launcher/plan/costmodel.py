@@ -23,7 +23,7 @@ from spec.layout import Layout, build_layout
 from spec.model_size import flops_per_token
 from spec.ac_modes import ac_mode
 from spec.support import check_supported
-from spec.validate import validate
+from spec.validate import check_strings, validate
 from launcher.plan.memory import AC_MODES, Memory, compute_bytes, estimate, stage_params
 
 MFU = 0.40                   # fraction of peak the matmuls reach (assumption; plan.mfu=...)
@@ -208,6 +208,10 @@ def candidates(cfg: RunConfig, global_batch: Optional[int] = None, mfu: float = 
     world = c.nodes * c.gpus_per_node
     batch = global_batch or t.micro_batch_size * t.grad_accum * world
     out: List[Candidate] = []
+    try:  # once: a layout changes no string but to the presets' (validate(strings=False) below)
+        check_strings(cfg)
+    except ConfigError:
+        return out
     for tp in _pow2_divisors(min(c.gpus_per_node, c.nvlink_domain or c.gpus_per_node)):
         for pp in _pow2_divisors(min(world // tp, cfg.model.n_layers)):
             dp = world // (tp * pp)
@@ -239,7 +243,7 @@ def _fastest_fitting(cfg: RunConfig, train, fields: dict, mfu: float) -> Optiona
                                   compile=user.compile, activation_checkpointing=mode, **fields)
         trial = dataclasses.replace(cfg, strategy=strategy, train=train)
         try:  # the launcher's own rules (launcher.checks.check): a layout it refuses is no candidate
-            validate(trial)
+            validate(trial, strings=False)
             layout = build_layout(trial)
             check_supported(trial, layout)
         except ConfigError:
