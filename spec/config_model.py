@@ -42,7 +42,14 @@ class ModelConfig:
     ffn_hidden_dim: Optional[int] = None
     # Llama 3's RoPE frequency scaling (Hugging Face's rope_scaling, rope_type "llama3").
     rope_scaling: RopeScaling = field(default_factory=lambda: RopeScaling())
-    # A Hugging Face Llama directory (config.json + safetensors): the dimensions above are
-    # read from its config.json at launch and the weights replace the random init
+    # Width of one attention head; null = dim / n_heads (Llama). Qwen3 sets it apart
+    # (Qwen3-0.6B: dim 1024, 16 heads of 128): q/k/v then project to heads x head_dim.
+    head_dim: Optional[int] = None
+    # Biases on the q, k and v projections (Qwen2 / Qwen2.5); o and the MLP have none.
+    qkv_bias: bool = False
+    # RMSNorm over head_dim on each query and key head, before RoPE (Qwen3).
+    qk_norm: bool = False
+    # A Hugging Face Llama, Qwen2 / Qwen2.5 or Qwen3 directory (config.json + safetensors):
+    # the dimensions above are read from its config.json at launch and the weights replace the random init
     # (README "Start from Hugging Face weights"). Nothing is downloaded.
     hf_path: Optional[str] = None

@@ -21,13 +21,18 @@ def ffn_hidden_dim(cfg: ModelConfig) -> int:
     return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of)
 
 
+def head_dim(cfg: ModelConfig) -> int:
+    """Width of one attention head: ``model.head_dim`` when given (Qwen3), else dim / n_heads."""
+    return cfg.head_dim or cfg.dim // cfg.n_heads
+
+
 @dataclass(frozen=True)
 class ParamBreakdown:
     """Parameters by part; matrices are what tensor parallel shards, norms stay whole."""
 
     embedding: int        # tok_embeddings (vocab x dim)
-    layer_matrices: int   # wq, wk, wv, wo, w1, w2, w3 of one block
-    layer_norms: int      # the two RMSNorm weights of one block
+    layer_matrices: int   # wq, wk, wv, wo, w1, w2, w3 of one block (and q/k/v biases: TP shards them too)
+    layer_norms: int      # the two RMSNorm weights of one block (and the q/k norms: replicated)
     n_layers: int
     final_norm: int
     head: int             # output projection; 0 when tied to the embedding
@@ -42,11 +47,12 @@ class ParamBreakdown:
 
 
 def param_breakdown(cfg: ModelConfig) -> ParamBreakdown:
-    head_dim = cfg.dim // cfg.n_heads
-    kv = cfg.n_kv_heads or cfg.n_heads
-    attn = cfg.dim * cfg.n_heads * head_dim + 2 * cfg.dim * kv * head_dim + cfg.n_heads * head_dim * cfg.dim
+    hd, kv = head_dim(cfg), cfg.n_kv_heads or cfg.n_heads
+    attn = cfg.dim * cfg.n_heads * hd + 2 * cfg.dim * kv * hd + cfg.n_heads * hd * cfg.dim
+    bias = (cfg.n_heads + 2 * kv) * hd if cfg.qkv_bias else 0
     mlp = 3 * cfg.dim * ffn_hidden_dim(cfg)
-    return ParamBreakdown(embedding=cfg.vocab_size * cfg.dim, layer_matrices=attn + mlp, layer_norms=2 * cfg.dim,
+    norms = 2 * cfg.dim + (2 * hd if cfg.qk_norm else 0)
+    return ParamBreakdown(embedding=cfg.vocab_size * cfg.dim, layer_matrices=attn + bias + mlp, layer_norms=norms,
                           n_layers=cfg.n_layers, final_norm=cfg.dim,
                           head=0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
 
@@ -61,11 +67,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     6 x non-embedding parameters for the matmuls of forward + backward, plus
     12 x layers x heads x head_dim x seq_len for the attention scores."""
     n = count_params(cfg) - cfg.vocab_size * cfg.dim
-    return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * seq_len
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * head_dim(cfg) * seq_len
 
 
 def largest_module_params(cfg: ModelConfig) -> int:
     """Parameters of the largest single module (embedding, head or one projection): what
     DeepSpeed ZeRO-3 gathers at once, and DeepSpeed's estimators call the largest layer."""
     b = param_breakdown(cfg)
-    return max(b.embedding, b.head, cfg.dim * ffn_hidden_dim(cfg), cfg.dim * cfg.dim)
+    return max(b.embedding, b.head, cfg.dim * ffn_hidden_dim(cfg), cfg.dim * cfg.n_heads * head_dim(cfg))

@@ -96,6 +96,9 @@ def test_known_model_sizes():
     assert 120e6 < sizes["gpt2_124m"] < 130e6
     assert 1.2e9 < sizes["llama3_1b"] < 1.3e9      # Llama 3.2 1B: 1.24 B
     assert 7.9e9 < sizes["llama3_8b"] < 8.1e9      # Llama 3.1 8B: 8.03 B
+    # Qwen's totals as their safetensors hold them (q/k/v biases; q/k norms and 128-wide heads)
+    assert count_params(_compose(["+model=qwen2_5_0_5b"]).model) == 494_032_768
+    assert count_params(_compose(["+model=qwen3_0_6b"]).model) == 596_049_920
 
 
 @pytest.mark.parametrize("name,per_task", [("a100x8", 15), ("h100x8", 13), ("h200x8", 13)])

@@ -1,18 +1,22 @@
-"""Hugging Face Llama weights in and out, checked against ``transformers`` itself.
+"""Hugging Face Llama and Qwen weights in and out, checked against ``transformers`` itself.
 
 - import: a tiny random ``LlamaForCausalLM`` saved by transformers, loaded into our model:
   logits equal transformers' within 1e-4 (fp32) for plain attention, GQA, tied
-  embeddings and Llama 3's rope_scaling; the dimensions come from its config.json;
+  embeddings and Llama 3's rope_scaling, and for a Qwen2 (q/k/v biases, tied) and a
+  Qwen3 (q/k norms, heads wider than hidden/heads) built from their configs; the
+  dimensions come from its config.json;
 - bad input: an explicit override that disagrees, a missing or misshapen tensor, another
-  architecture: one line naming it, exit 2, nothing written;
+  architecture, sliding-window attention: one line naming it, exit 2, nothing written;
 - every strategy loads it: imported, one step at a learning rate too small to move a
-  weight, exported: every tensor equal to the original (bitwise);
+  weight, exported: every tensor equal to the original (bitwise; a Qwen export is the
+  same architecture to transformers);
 - trained under FSDP, ZeRO-3 and TP, exported, loaded by transformers: its logits equal
   ours from the run's own checkpoint.
 """
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -33,16 +37,25 @@ SHAPES = {
     "rope_scaling": {"num_key_value_heads": 2, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32}},
+    # Qwen2.5's small models: q/k/v biases, tied embeddings; Qwen3: q/k norms, heads wider than dim/heads.
+    "qwen2": {"family": "Qwen2", "num_key_value_heads": 2, "tie_word_embeddings": True},
+    "qwen3": {"family": "Qwen3", "num_key_value_heads": 2, "head_dim": 32},
 }
 RUN = ["train.seq_len=32", "data.num_tokens=50000", "checkpoint.save_final=true"]
 
 
-def _save_hf(path: Path, seed: int = 0, **extra) -> Path:
+def _save_hf(path: Path, seed: int = 0, family: str = "Llama", **extra) -> Path:
     torch.manual_seed(seed)
     shape = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
              "vocab_size": 256, "max_position_embeddings": 128, **extra}
-    cfg = transformers.LlamaConfig(**shape)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    cfg = getattr(transformers, f"{family}Config")(**shape)
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg)
+    if family != "Llama":  # transformers starts biases at 0 and norms at 1: make them count
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("bias", "q_norm.weight", "k_norm.weight")):
+                    p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(path)
     return path
 
 
@@ -73,7 +86,9 @@ def test_forward_matches_transformers(hf_dirs, shape):
     assert torch.allclose(got, want, rtol=0, atol=1e-4), (got - want).abs().max()
     assert cfg.model.name == shape and cfg.model.dim == 64 and cfg.model.ffn_hidden_dim == 160
     assert cfg.model.n_kv_heads == (None if shape == "plain" else 2)
-    assert cfg.model.tie_embeddings == (shape == "tied")
+    assert cfg.model.tie_embeddings == (shape in ("tied", "qwen2"))
+    assert (cfg.model.qkv_bias, cfg.model.qk_norm, cfg.model.head_dim) == (
+        shape == "qwen2", shape == "qwen3", 32 if shape == "qwen3" else None)
     assert cfg.model.rope_scaling.type == ("llama3" if shape == "rope_scaling" else None)
 
 
@@ -114,6 +129,42 @@ def test_bad_checkpoints_are_refused_naming_what_is_wrong(hf_dirs, tmp_path):
     assert "no such directory" in _refusal(tmp_path / "nowhere")
 
 
+SLIDING = [({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=True; only False is supported; "
+             "full attention only"),
+           ({"layer_types": ["full_attention", "sliding_attention"]},
+            "layer_types[1]='sliding_attention'; full attention only"),
+           ({"attention_bias": True}, "attention_bias=True; only False is supported"),
+           ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]},
+            "only Llama, Qwen2 / Qwen2.5 and Qwen3")]
+
+
+@pytest.mark.parametrize("change,refusal", SLIDING,
+                         ids=["use_sliding_window", "layer_types", "qwen3_o_bias", "mistral"])
+def test_what_qwen_configs_we_do_not_build_is_refused(hf_dirs, change, refusal):
+    from spec.hf import model_fields
+
+    config = json.loads((hf_dirs["qwen3"] / "config.json").read_text())
+    assert model_fields(config)["qk_norm"]
+    with pytest.raises(ConfigError) as err:
+        model_fields({**config, **change}, "q3")
+    assert str(err.value).startswith("model.hf_path=q3: ") and refusal in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("fields,refusal", [
+    ({"head_dim": 7}, "model head dim 7 (model.head_dim"), ({"dim": 60, "n_heads": 8, "head_dim": 32}, None),
+    ({"qkv_bias": True, "qk_norm": True}, "model.qkv_bias=true with model.qk_norm=true")])
+def test_head_width_and_qwen_flags_are_validated(fields, refusal):
+    from spec.validate import validate
+
+    cfg = RunConfig()
+    for key, value in fields.items():
+        setattr(cfg.model, key, value)
+    if refusal is None:  # a head_dim of its own needs no dim divisible by n_heads
+        return validate(cfg)
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        validate(cfg)
+
+
 def test_cli_refusal_writes_nothing(hf_dirs, tmp_path):
     proc = launcher([f"model.hf_path={hf_dirs['plain']}", "model.n_heads=8", "launcher.dry_run=true"], cwd=tmp_path)
     assert proc.returncode == 2
@@ -127,8 +178,10 @@ def _export(run_dir: Path, out: Path, *extra: str) -> None:
 
 
 # Strategy, shape of the Hugging Face model, extra overrides.
-ROUND_TRIPS = [("ddp", "tied", []), ("fsdp", "tied", []), ("zero3", "tied", []), ("tp", "gqa", []),
-               ("pp", "rope_scaling", ["cluster.gpus_per_node=2"])]
+# ZeRO-3 takes Qwen2 (tied as Qwen2.5's small models are, with q/k/v biases): a tied model
+# starts partitioned too (train/strategies/deepspeed.py); FSDP takes Qwen3 (q/k norms, wide heads).
+ROUND_TRIPS = [("ddp", "tied", []), ("fsdp", "tied", []), ("zero3", "qwen2", []), ("tp", "gqa", []),
+               ("pp", "rope_scaling", ["cluster.gpus_per_node=2"]), ("fsdp-qwen3", "qwen3", [])]
 
 
 @pytest.mark.slow
@@ -138,7 +191,8 @@ def test_import_then_export_gives_back_the_tensors(hf_dirs, tmp_path, strategy, 
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
-    proc = launcher([f"+strategy={strategy}", f"model.hf_path={hf_dirs[shape]}", "train.steps=1", "optim.lr=1e-30",
+    proc = launcher([f"+strategy={strategy.split('-')[0]}", f"model.hf_path={hf_dirs[shape]}", "train.steps=1",
+                     "optim.lr=1e-30",
                      *RUN, *extra, f"launcher.run_dir={run}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     _export(run, tmp_path / "out")
@@ -146,6 +200,13 @@ def test_import_then_export_gives_back_the_tensors(hf_dirs, tmp_path, strategy, 
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+    if shape.startswith("qwen"):  # config.json names the architecture again: transformers builds the same model
+        tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(2))
+        back, start = (transformers.AutoModelForCausalLM.from_pretrained(p).eval()
+                       for p in (tmp_path / "out", hf_dirs[shape]))
+        assert type(back) is type(start) and back.config.tie_word_embeddings == start.config.tie_word_embeddings
+        with torch.no_grad():
+            assert torch.equal(back(tokens).logits, start(tokens).logits)
 
 
 def _ours_from_checkpoint(run_dir: Path):

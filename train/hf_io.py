@@ -1,4 +1,4 @@
-"""Hugging Face Llama weights out of any checkpoint, without ever holding the whole model
+"""Hugging Face Llama / Qwen weights out of any checkpoint, without ever holding the whole model
 in the exporting process (the way in is :mod:`train.hf_load`).
 
 :func:`export` writes a run's newest committed checkpoint as a Hugging Face directory,
@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from spec.config import ModelConfig
-from spec.hf import CONFIG, INDEX, hf_config, hf_name
+from spec.hf import CONFIG, INDEX, hf_config, hf_name, our_shapes
 from train.hf_load import single_process
 # DeepSpeed's parameter names keep the wrappers' (DCP's get_state_dict drops them)
 from train.model import clean_name
@@ -117,12 +117,4 @@ def export(ckpt: Path, model: ModelConfig, out: Path, dtype: torch.dtype = torch
 
 def hf_to_ours(model: ModelConfig) -> List[str]:
     """Our parameter names in the order Hugging Face lists its tensors."""
-    names = ["tok_embeddings.weight"]
-    for i in range(model.n_layers):
-        names += [f"layers.{i}.{k}.weight" for k in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                                                       "feed_forward.w1", "feed_forward.w3", "feed_forward.w2",
-                                                       "attention_norm", "ffn_norm")]
-    names.append("norm.weight")
-    if not model.tie_embeddings:
-        names.append("output.weight")
-    return names
+    return list(our_shapes(model))

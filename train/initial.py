@@ -28,9 +28,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from spec.config import ModelConfig
 
 def initial_std(cfg: ModelConfig, name: str) -> Optional[float]:
-    """The standard deviation a weight is drawn with; None: a norm's weight, set to ones."""
+    """The standard deviation a weight is drawn with; None: a norm's weight, set to ones;
+    0: a bias (q/k/v's in Qwen2), set to zeros."""
     if name.endswith("norm.weight"):
         return None
+    if name.endswith(".bias"):
+        return 0.0
     if name == "tok_embeddings.weight":
         return 1.0 if not cfg.tie_embeddings else 0.02
     if name == "output.weight":
@@ -107,8 +110,8 @@ def fill_initial(out: torch.Tensor, cfg: ModelConfig, name: str, shape: tuple, s
     elements of weight ``name``'s initial value seen as a matrix: only the blocks they
     overlap are drawn, one at a time (beside ``out``, one block is held)."""
     std = initial_std(cfg, name)
-    if std is None:
-        out.fill_(1.0)
+    if not std:
+        out.fill_(1.0 if std is None else 0.0)
         return
     n_rows, n_cols = _matrix(shape)
     br, bc = block_shape(shape)

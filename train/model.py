@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from spec.config import ModelConfig, RopeScaling
 # Pure size arithmetic lives in spec/model_size.py so the torch-free planner shares it.
-from spec.model_size import count_params, ffn_hidden_dim  # noqa: F401  (re-exported)
+from spec.model_size import count_params, ffn_hidden_dim, head_dim  # noqa: F401  (re-exported)
 from train.initial import fill_initial, local_runs
 
 
@@ -71,21 +71,30 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """Grouped-query attention; with ``qkv_bias`` biases on q, k and v (Qwen2), with
+    ``qk_norm`` an RMSNorm over each query and key head before RoPE (Qwen3), and heads of
+    ``head_dim`` (Qwen3's may be wider than dim / n_heads)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.head_dim = head_dim(cfg)
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 head counts: under tensor parallel each rank holds a slice of the heads.
-        q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), rope)
-        k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), rope)
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         return self.wo(causal_attention(q, k, v).transpose(1, 2).reshape(bsz, seq, -1))
@@ -186,7 +195,7 @@ class Transformer(nn.Module):
     def init_buffers(self, device: torch.device) -> None:
         """The rotary tables (not a parameter: computed, never loaded)."""
         cfg = self.cfg
-        self.rope = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
+        self.rope = rope_tables(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids -> logits; a pipeline stage without the embedding takes (and one

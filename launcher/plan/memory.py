@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 from spec.ac_modes import ALIASES, MODES, ac_mode
 from spec.config import ClusterConfig, ModelConfig, RunConfig
 from spec.layout import Layout
-from spec.model_size import count_params, ffn_hidden_dim, largest_module_params, param_breakdown
+from spec.model_size import count_params, ffn_hidden_dim, head_dim, largest_module_params, param_breakdown
 from spec.ds_config import deepspeed_config, use_bf16
 
 GB = 1e9
@@ -154,8 +154,8 @@ def op_sac_block_bytes(m: ModelConfig, tp: int, e: int) -> float:
     (``_get_custom_policy``: the outputs of every other matmul, counted per block, and of
     the attention kernel are saved, everything else recomputed): the block input, wq h,
     wv kv, attention output h, w1 f, w2 h, all in compute dtype and sharded by tp."""
-    kv = (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
-    return e * (4 * m.dim + kv + ffn_hidden_dim(m)) / tp
+    q, kv = m.n_heads * head_dim(m), (m.n_kv_heads or m.n_heads) * head_dim(m)
+    return e * (2 * m.dim + 2 * q + kv + ffn_hidden_dim(m)) / tp
 
 
 def vocab_shards(layout: Layout) -> int:
@@ -183,10 +183,11 @@ def block_bytes(m: ModelConfig, tp: int, e: int, autocast: bool, checkpointed: b
     h, f = m.dim, ffn_hidden_dim(m)
     if checkpointed:
         return (4 if autocast else e) * h / tp
-    kv = h if e == 4 else (m.n_kv_heads or m.n_heads) * (m.dim // m.n_heads)
+    q = m.n_heads * head_dim(m)  # h, but for Qwen3's wider heads
+    kv = q if e == 4 else (m.n_kv_heads or m.n_heads) * head_dim(m)
     whole = 10 * h if autocast else 2 * e * h
     norms = (26 if autocast else 24) * h
-    return (norms - whole + e * (2 * h + 2 * kv + 4 * f)) / tp + whole
+    return (norms - whole + e * (2 * q + 2 * kv + 4 * f)) / tp + whole
 
 
 def checkpointed_blocks(layers: int, mode: str) -> int:

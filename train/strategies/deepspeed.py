@@ -14,9 +14,10 @@ partitioned as soon as it is built, without zero.Init's broadcast of each new pa
 and without initialising it (:func:`partitioned_build`, :func:`no_initial_values`: the
 whole parameter's pages are never written, so never resident); each rank then fills its
 own partition of every parameter from the rows that hold it (the initial values every
-layout gets, or the Hugging Face checkpoint's rows), without gathering. A model with
-tied embeddings takes the plain path (DeepSpeed's partitioning does not follow a
-parameter shared by two modules).
+layout gets, or the Hugging Face checkpoint's rows), without gathering. Tied embeddings
+(Qwen2.5's small models, Llama 3.2) too: the head's Linear is built with its own
+partitioned weight, then given the embedding's, which DeepSpeed gathers for either
+module (its own is dropped: never filled, 1/world of the head's size while it lived).
 Stages 0-2 keep every parameter on every rank anyway: the model is materialised in
 full, in the training dtype (bf16: 2 bytes per parameter), then ``deepspeed.initialize``
 partitions optimizer states (and gradients).
@@ -124,11 +125,11 @@ class DeepSpeedBuilder(EngineBuilder):
         deepspeed.init_distributed(dist_backend=self.ctx.backend, verbose=False)
 
     def _partitioned_init(self) -> bool:
-        return self.cfg.strategy.zero_stage == 3 and not self.cfg.model.tie_embeddings
+        return self.cfg.strategy.zero_stage == 3
 
     def wrap(self, model: nn.Module, prepare) -> List[nn.Module]:
         """Stage 3: the model built anew under ``zero.Init`` (partitioned as it is built).
-        Stages 0-2 (and a tied stage 3): the meta model in the training dtype, so a bf16 run
+        Stages 0-2: the meta model in the training dtype, so a bf16 run
         materialises 2 bytes per parameter, not 4 (``deepspeed.initialize`` would cast it
         to bf16 anyway, and makes its fp32 master partition from the bf16 values)."""
         if not self._partitioned_init():

@@ -47,8 +47,14 @@ def root_plan(vocab_parallel: bool = False) -> Dict[str, ParallelStyle]:
     }
 
 
-def block_plan() -> Dict[str, ParallelStyle]:
-    return {
+def block_plan(qk_norm: bool = False) -> Dict[str, ParallelStyle]:
+    """``qk_norm`` (Qwen3): the q/k norms act per head on the column-parallel wq/wk's local
+    heads (batch, seq, heads, head_dim): their input is taken as sharded over the heads
+    (dim 2), their weight replicated (its gradient summed over the ranks' heads), their
+    output this rank's heads again. Qwen2's q/k/v biases shard with their ColwiseParallel
+    weights (the style shards a Linear's bias too)."""
+    heads = {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True) for n in ("q_norm", "k_norm")}
+    return {**(heads if qk_norm else {}),
         "attention_norm": SequenceParallel(),
         # (x, rope): gather x along the sequence; rope is a plain tensor, left alone.
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
@@ -72,7 +78,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, vocab_parallel: bool = Fal
     plan = {fqn: style for fqn, style in root_plan(vocab_parallel).items() if getattr(model, fqn) is not None}
     parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan())
+        parallelize_module(block, tp_mesh, block_plan(model.cfg.qk_norm))
 
 
 class TPBuilder(EngineBuilder):
