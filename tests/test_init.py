@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import train.initial as initial
 import train.model as model
@@ -112,14 +112,20 @@ CFG = ModelConfig(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=203, m
 # (replicas, dp, tp): FSDP rows; TP rows and columns; 2-D, where FSDP shards TP's rows
 # again (_StridedShard); HSDP (FSDP's rows, replicated)
 LAYOUTS = [(1, 4, 1), (1, 3, 1), (1, 1, 4), (1, 1, 3), (1, 2, 2), (1, 3, 2), (2, 2, 1)]
+# Qwen's extra weights (both kinds in one model, which no checkpoint has): q/k/v biases
+# (zeros; TP shards them with their rows, FSDP again), q/k norms over 24-wide heads
+# (ones; replicated under TP), on the 2-D layout.
+QWEN = ModelConfig(dim=48, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=24, vocab_size=203, multiple_of=16,
+                   max_seq_len=16, qkv_bias=True, qk_norm=True)
+CASES = [(*layout, CFG) for layout in LAYOUTS] + [(1, 2, 2, QWEN)]
 
 
-def _parallel_model(replicas: int, dp: int, tp: int, rank: int):
+def _parallel_model(replicas: int, dp: int, tp: int, rank: int, cfg: ModelConfig = CFG):
     # Names of this rank's own: DTensor caches specs (their mesh with them) by mesh equality,
     # which ignores the rank, so one process playing rank after rank would get stale meshes.
     names = (f"rep{rank}", f"dp{rank}", f"tp{rank}")
     mesh = init_device_mesh("cpu", (replicas, dp, tp), mesh_dim_names=names)
-    net = model.build_model(CFG)
+    net = model.build_model(cfg)
     if tp > 1:
         apply_tp(net, mesh[names[2]])
     if dp > 1:
@@ -131,24 +137,26 @@ def _parallel_model(replicas: int, dp: int, tp: int, rank: int):
     return net
 
 
-@pytest.mark.parametrize("replicas,dp,tp", LAYOUTS, ids=[f"rep{r}-dp{d}-tp{t}" for r, d, t in LAYOUTS])
-def test_every_layouts_shards_assemble_to_the_whole_tensor(small_blocks, fake_world, monkeypatch, replicas, dp, tp):
+@pytest.mark.parametrize("replicas,dp,tp,cfg", CASES,
+                         ids=[f"rep{r}-dp{d}-tp{t}" + ("-qwen" if c is QWEN else "") for r, d, t, c in CASES])
+def test_every_layouts_shards_assemble_to_the_whole_tensor(small_blocks, fake_world, monkeypatch, replicas, dp, tp,
+                                                            cfg):
     """Each rank of FSDP, TP (rows: wq, w1, the embedding, the head; columns: wo, w2) and
     2-D FSDP + TP fills its own part: bitwise DTensor's own slice of the full tensor
     (``distribute_tensor``), the parts together are the full tensor, and a rank draws
     little beyond its share (the blocks its part's edges cut)."""
-    whole = model.build_model(CFG, "cpu")
+    whole = model.build_model(cfg, "cpu")
     whole.init_weights(0)
     full = {n: p.detach().clone() for n, p in whole.named_parameters()}
     parts = {n: [] for n in full}
-    drawable = sum(t.numel() for n, t in full.items() if initial.initial_std(CFG, n) is not None)
+    drawable = sum(t.numel() for n, t in full.items() if initial.initial_std(cfg, n))
     drawn = []
     real_block = initial._block
     monkeypatch.setattr(initial, "_block", lambda *a: drawn.append(a[4] * a[5]) or real_block(*a))
     world = replicas * dp * tp
     for rank in range(world):
         fake_world(rank, world)
-        net = _parallel_model(replicas, dp, tp, rank)
+        net = _parallel_model(replicas, dp, tp, rank, cfg)
         drawn.clear()
         net.init_weights(0)
         # here (blocks of 8 x 8) at most 1.3 x the share; before, a TP rank drew its column
@@ -162,6 +170,10 @@ def test_every_layouts_shards_assemble_to_the_whole_tensor(small_blocks, fake_wo
             parts[name].append((*initial.local_runs(t), t.to_local()))
     for name, tensor in full.items():
         assert torch.equal(_assemble(parts[name], tuple(tensor.shape)), tensor), name
+    if cfg is QWEN:
+        assert torch.equal(full["layers.0.attention.wk.bias"], torch.zeros(2 * 24))
+        assert torch.equal(full["layers.0.attention.k_norm.weight"], torch.ones(24))
+        assert Replicate() in net.layers["0"].attention.q_norm.weight.placements  # over the TP ranks
 
 
 def test_an_unsharded_model_gets_the_whole_tensors():
