@@ -76,7 +76,9 @@ class DataConfig:
     # "markov": a seeded synthetic token stream generated on first use (learnable, so the
     # loss falls); "file": a flat binary file of token ids at `path` (uint16 when
     # model.vocab_size <= 65536, else uint32), e.g. written by numpy's tofile();
-    # "tokens": the directory `python -m train.data.prepare` wrote (train/val split).
+    # "tokens": the directory `python -m train.data.prepare` wrote (train/val split);
+    # "chat": the directory `python -m train.data.prepare --chat` wrote: one conversation
+    # per sample, padded to train.seq_len + 1, loss only on its mask's tokens (docs/finetune.md).
     source: str = "markov"
     path: Optional[str] = None
     # Tokens generated for the markov source.

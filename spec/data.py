@@ -11,7 +11,14 @@ from spec.config import ConfigError, RunConfig, read_json_in
 MANIFEST = "manifest.json"
 TRAIN_BIN = "train.bin"
 VAL_BIN = "val.bin"
-SOURCES = ("markov", "file", "tokens")
+SOURCES = ("markov", "file", "tokens", "chat")
+PREPARED = ("tokens", "chat")  # the sources read from a directory train.data.prepare wrote
+
+
+def chat_files(split: str) -> tuple:
+    """A chat split's files: token ids, the loss mask (uint8, 1 = carries loss as a
+    target) and the conversations' offsets (int64, n+1 of them)."""
+    return f"{split}.bin", f"{split}_mask.bin", f"{split}_offsets.bin"
 
 
 def read_manifest(path: Path) -> Dict[str, Any]:
@@ -28,16 +35,26 @@ def check_data(cfg: RunConfig) -> None:
     if d.source == "file" and cfg.train.eval_every > 0:
         raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs a validation split, which "
                           "data.source=file has not; use data.source=tokens (train.data.prepare) or eval_every=0")
-    if d.source != "tokens":
+    if d.source not in PREPARED:
         return
     if not d.path:
-        raise ConfigError("data.source=tokens needs data.path=DIR (a directory written by train.data.prepare)")
+        raise ConfigError(f"data.source={d.source} needs data.path=DIR (a directory written by train.data.prepare)")
     info = read_manifest(Path(d.path))
+    kind = info.get("format", "tokens")
+    if kind != d.source:
+        how = "python -m train.data.prepare --chat" if d.source == "chat" else "python -m train.data.prepare"
+        raise ConfigError(f"data.source={d.source}: data.path={d.path} holds {kind} data; use data.source={kind}, "
+                          f"or prepare the inputs with `{how}`")
     vocab = int(info["vocab_size"])
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"data.path={d.path}: its tokenizer's vocabulary ({vocab}) is larger than "
                           f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size>={vocab} or use the "
                           "model's own tokenizer")
-    for name in (TRAIN_BIN, VAL_BIN):
+    names = chat_files("train") + chat_files("val") if d.source == "chat" else (TRAIN_BIN, VAL_BIN)
+    for name in names:
         if not (Path(d.path) / name).is_file():
             raise ConfigError(f"data.path={d.path}: {name} is missing; prepare the data again")
+    if d.source == "chat" and int(info["longest"]) > cfg.train.seq_len + 1:
+        raise ConfigError(f"data.path={d.path}: its longest conversation has {info['longest']} tokens, more than "
+                          f"train.seq_len+1={cfg.train.seq_len + 1}; set train.seq_len>={int(info['longest']) - 1} "
+                          f"or prepare again with --max-length {cfg.train.seq_len + 1}")

@@ -24,7 +24,7 @@ _CHOICES = {
     "strategy.mixed_precision": ("auto", "fp32", "bf16"),
     "strategy.activation_checkpointing": NAMES,
     "strategy.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
-    "data.source": ("markov", "file", "tokens"),
+    "data.source": ("markov", "file", "tokens", "chat"),
     "tracking.wandb.mode": ("offline", "online", "disabled"),
     "optim.lr_scaling": ("none", "linear", "sqrt"),
     "train.straggler_action": ("log", "restart_without"),

@@ -54,7 +54,8 @@ MAKE_CHECKED_ONLY = {"test", "test-fast", "test-gpu", "test-torch-floor", "clust
                      "cluster-status", "cluster-env", "gpu-check", "gpu-wheels", "bench"}
 # placeholder -> key in PageRun.paths (made by the test before the page runs)
 PLACEHOLDERS = {"/models/Llama-3.2-1B": "hf", "/models/my-finetune": "export", "OUT_DIR": "export",
-                "/data/mytext": "data", "~/myteam/conf": "confdir"}
+                "/data/mytext": "data", "~/myteam/conf": "confdir", "/data/mychat": "chat",
+                "tests/fixtures": "fixtures"}
 
 
 # Runs each ``[script, args...]`` of argv[1] (JSON) with --help as ``python script`` would

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from spec.config import RunConfig
 from spec.layout import Layout
-from train.data import ShardedLoader, file_dtype, val_file
+from train.data import ShardedLoader, build_loader
 from train.harness.dist import DistContext
 from train.strategies.base import Engine
 
@@ -26,11 +26,7 @@ class Evaluator:
         self.every = cfg.train.eval_every
         self.loader: Optional[ShardedLoader] = None
         if self.every > 0:
-            path = val_file(cfg.data, cfg.model.vocab_size)
-            t = cfg.train
-            self.loader = ShardedLoader(path, cfg.model.vocab_size, t.seq_len, t.micro_batch_size, t.grad_accum,
-                                        layout.dp_rank(ctx.rank), layout.dp, seed=cfg.data.seed,
-                                        dtype=file_dtype(cfg.data, cfg.model.vocab_size))
+            self.loader = build_loader(cfg, layout.dp_rank(ctx.rank), layout.dp, split="val")
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based, just done) is followed by an evaluation."""

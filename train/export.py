@@ -30,7 +30,7 @@ def parse(argv):
 
 def tokenizer_of(cfg) -> tuple:
     """(tokenizer path, eos id, bos id) of the run's prepared data (its manifest), else Nones."""
-    manifest = Path(cfg.data.path or "", "manifest.json") if cfg.data.source == "tokens" else None
+    manifest = Path(cfg.data.path or "", "manifest.json") if cfg.data.source in ("tokens", "chat") else None
     if manifest is None or not manifest.is_file():
         return None, None, None
     info = json.loads(manifest.read_text())

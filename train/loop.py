@@ -19,7 +19,7 @@ from spec.rundir import STEPTIMES, STRAGGLERS, MetricsRow, Status, read_run_json
 from spec.schedule import schedule, schedule_line
 from train.checkpoint import Checkpointer
 from train.evaluate import Evaluator, perplexity
-from train.data import ShardedLoader, file_dtype, token_file
+from train.data import ShardedLoader, build_loader
 from train.harness.outcome import StragglerError
 from train.harness.run import Task
 from train.harness.watchdog import COLLECTIVE
@@ -55,10 +55,8 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
     """
     cfg, layout, ctx, log = task.cfg, task.layout, task.ctx, task.log
     torch.manual_seed(cfg.train.seed)
-    path = token_file(cfg.data, cfg.model.vocab_size)  # rank 0..N race safely on a file lock
-    loader = ShardedLoader(path, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.micro_batch_size,
-                           cfg.train.grad_accum, layout.dp_rank(ctx.rank), layout.dp, seed=cfg.data.seed,
-                           dtype=file_dtype(cfg.data, cfg.model.vocab_size))
+    # markov data: rank 0..N race safely on a file lock to generate it
+    loader = build_loader(cfg, layout.dp_rank(ctx.rank), layout.dp)
     coords = layout.coords(ctx.rank)
     if cfg.fault.trace_samples and coords["tp"] == coords["pp"] == 0:  # one rank per data-parallel share
         loader.trace = task.run_dir / "logs" / f"samples_seg{task.segment}_rank{ctx.rank}.txt"

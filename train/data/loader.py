@@ -138,11 +138,11 @@ class ShardedLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
-        self.num_windows = (len(self.tokens) - 1) // seq_len
+        self.num_windows = self._num_samples()
         self.global_batch = micro_batch * grad_accum * dp_size
         if self.num_windows < self.global_batch:
-            raise ValueError(f"data has {self.num_windows} windows of {seq_len} tokens, fewer than one global "
-                             f"batch of {self.global_batch}; generate more data (data.num_tokens)")
+            raise ValueError(f"data has {self.num_windows} {self.unit} of {seq_len} tokens, fewer than one global "
+                             f"batch of {self.global_batch}; give more data (data.num_tokens, data.path)")
         self.state = LoaderState()
         # Target positions that carry loss in the whole global batch of the step next_step
         # last returned (every micro-batch, every data-parallel rank): the loss is their sum
@@ -150,6 +150,23 @@ class ShardedLoader:
         self.step_targets = self.global_batch * seq_len
         self.trace: Optional[Path] = None
         self._perms: Dict[int, np.ndarray] = {}
+
+    #: What one sample is, for messages.
+    unit = "windows"
+
+    def _num_samples(self) -> int:
+        """Samples in an epoch: windows of seq_len tokens plus the next."""
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def _rows(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of samples ``ids``: [n, seq_len] each."""
+        rows = np.stack([self.tokens[i * self.seq_len:i * self.seq_len + self.seq_len + 1] for i in ids])
+        data = torch.from_numpy(rows.astype(np.int64))
+        return data[:, :-1], data[:, 1:]
+
+    def _count_targets(self, start: int) -> int:
+        """Target positions carrying loss in global samples ``start .. start+G-1``."""
+        return self.global_batch * self.seq_len
 
     def _perm(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
@@ -178,14 +195,14 @@ class ShardedLoader:
         if self.trace is not None:
             with open(self.trace, "a") as f:
                 f.write(f"{self.state.step + 1} {' '.join(map(str, ids.tolist()))}\n")
+        self.step_targets = self._count_targets(self.state.samples)
         self.state.step += 1
         self.state.samples += self.global_batch
-        rows = np.stack([self.tokens[i * self.seq_len:i * self.seq_len + self.seq_len + 1] for i in ids])
-        data = torch.from_numpy(rows.astype(np.int64))
+        inputs, targets = self._rows(ids)
         micro = []
         for k in range(self.grad_accum):
-            chunk = data[k * self.micro_batch:(k + 1) * self.micro_batch]
-            micro.append((chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()))
+            part = slice(k * self.micro_batch, (k + 1) * self.micro_batch)
+            micro.append((inputs[part].contiguous(), targets[part].contiguous()))
         return micro
 
     def state_dict(self) -> dict:

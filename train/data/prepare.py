@@ -13,6 +13,10 @@ on the number of cores. Written: ``train.bin`` and ``val.bin`` (flat token ids, 
 when the vocabulary fits, else uint32), the tokenizer files, and ``manifest.json``
 (tokenizer and its sha256, vocab size, EOS/BOS ids, dtype, document and token counts per
 split). ``data.source=tokens data.path=DIR`` trains on it.
+
+``--chat``: JSONL conversations (``messages``) rendered with the tokenizer's chat
+template, with a loss mask and conversation offsets beside the tokens
+(:mod:`train.data.chat_prepare`); ``data.source=chat data.path=DIR`` trains on it.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import numpy as np
 from spec.data import MANIFEST, TRAIN_BIN, VAL_BIN
 
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 BATCH_CHARS = 4 << 20  # text per encode_batch call
 # Files of a directory input that are not text.
 SKIPPED = {".pyc", ".so", ".bin", ".pt", ".safetensors", ".npy", ".gz", ".zip", ".png", ".jpg"}
@@ -51,7 +55,25 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--eos", help="the end-of-document token (default: the tokenizer's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     p.add_argument("--no-progress", action="store_true")
+    chat = p.add_argument_group("chat data (--chat)")
+    chat.add_argument("--chat", action="store_true",
+                      help="inputs are JSONL conversations ({\"messages\": [{\"role\", \"content\"}, ...]}) "
+                      "rendered with the tokenizer's chat template")
+    chat.add_argument("--loss-on", default="assistant",
+                      help="assistant (default): loss on the assistant turns only; all: on every token")
+    chat.add_argument("--max-length", type=int, default=0, metavar="TOKENS",
+                      help="longest conversation kept, in tokens (0: no limit); see --overlong")
+    chat.add_argument("--overlong", default="truncate",
+                      help="a conversation over --max-length: truncate (default: cut to it) or drop (leave it out)")
     args = p.parse_args(argv)
+    if args.chat and args.loss_on not in ("assistant", "all"):
+        p.error(f"--loss-on={args.loss_on} is unknown; use assistant or all")
+    if args.chat and args.overlong not in ("truncate", "drop"):
+        p.error(f"--overlong={args.overlong} is unknown; use truncate or drop")
+    if args.max_length < 0:
+        p.error(f"--max-length={args.max_length} must be >= 0 (0: no limit)")
+    if args.chat and args.train_tokenizer is not None:
+        p.error("--chat needs the chat model's --tokenizer (its chat template); --train-tokenizer has none")
     if (args.tokenizer is None) == (args.train_tokenizer is None):
         p.error("give one of --tokenizer PATH and --train-tokenizer VOCAB")
     if not 0 <= args.val_fraction < 1:
@@ -233,11 +255,8 @@ def prepare(args: argparse.Namespace) -> Dict[str, Any]:
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
     t0 = time.perf_counter()
-    counts = write_splits(tok, documents(files, args.field), args.out, dtype, eos, args.seed, args.val_fraction,
-                          progress=not args.no_progress and sys.stderr.isatty())
+    extra = _write(args, files, tok, tok_file, config, dtype, eos)
     seconds = time.perf_counter() - t0
-    for name in (TRAIN_BIN, VAL_BIN):
-        os.replace(args.out / (name + ".tmp"), args.out / name)
     for name in TOKENIZER_FILES:  # shipped with the data (and with an export of a run trained on it)
         src = tok_file if name == "tokenizer.json" else tok_file.parent / name
         if src.is_file() and src.resolve() != (args.out / name).resolve():
@@ -247,15 +266,36 @@ def prepare(args: argparse.Namespace) -> Dict[str, Any]:
             "tokenizer_sha256": sha,
             "tokenizer_copy": "tokenizer.json", "vocab_size": vocab, "eos_id": eos, "bos_id": bos,
             "dtype": dtype.name, "inputs": [str(f) for f in files], "field": args.field, "seed": args.seed,
-            "val_fraction": args.val_fraction, "splits": counts, "seconds": round(seconds, 3)}
+            "val_fraction": args.val_fraction, **extra, "seconds": round(seconds, 3)}
     (args.out / MANIFEST).write_text(json.dumps(info, indent=1))
     return info
+
+
+def _write(args: argparse.Namespace, files: List[Path], tok: Any, tok_file: Path, config: Dict[str, Any],
+           dtype: np.dtype, eos: int) -> Dict[str, Any]:
+    """Write the splits; the manifest's fields about them."""
+    if args.chat:
+        from train.data.chat import ChatTemplate, special_tokens, template_source
+        from train.data.chat_prepare import write_chat
+
+        template = ChatTemplate(template_source(tok_file, config), special_tokens(config), args.loss_on)
+        pad = special_id(tok, config, "pad", None, ()) if config.get("pad_token") else None
+        return {**write_chat(args, tok, template, files, dtype, in_val), "pad_id": eos if pad is None else pad}
+    counts = write_splits(tok, documents(files, args.field), args.out, dtype, eos, args.seed, args.val_fraction,
+                          progress=not args.no_progress and sys.stderr.isatty())
+    for name in (TRAIN_BIN, VAL_BIN):
+        os.replace(args.out / (name + ".tmp"), args.out / name)
+    return {"splits": counts}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     info = prepare(parse(sys.argv[1:] if argv is None else argv))
     train, val = info["splits"]["train"], info["splits"]["val"]
     total = train["tokens"] + val["tokens"]
+    if info.get("format") == "chat":
+        print(f"{info['conversations']} conversations: {info['truncated']} truncated, {info['dropped']} dropped "
+              f"(--max-length {info['max_length'] or 'none'}); loss on {info['loss_on']} ({info['spans']}): "
+              f"{train['loss_tokens']:,} of train's {train['tokens']:,} tokens")
     print(f"{train['documents'] + val['documents']} documents, {total:,} tokens "
           f"({total / max(info['seconds'], 1e-9):,.0f} tokens/s): train {train['tokens']:,}, val {val['tokens']:,}; "
           f"vocab {info['vocab_size']}, eos id {info['eos_id']}")
