@@ -142,7 +142,8 @@ class ShardedLoader:
         self.global_batch = micro_batch * grad_accum * dp_size
         if self.num_windows < self.global_batch:
             raise ValueError(f"data has {self.num_windows} {self.unit} of {seq_len} tokens, fewer than one global "
-                             f"batch of {self.global_batch}; give more data (data.num_tokens, data.path)")
+                             f"batch of {self.global_batch}; give more data (data.num_tokens, data.path) or a "
+                             "smaller global batch")
         self.state = LoaderState()
         # Target positions that carry loss in the whole global batch of the step next_step
         # last returned (every micro-batch, every data-parallel rank): the loss is their sum
