@@ -65,11 +65,18 @@ def parse(argv: List[str]) -> argparse.Namespace:
                       help="longest conversation kept, in tokens (0: no limit); see --overlong")
     chat.add_argument("--overlong", default="truncate",
                       help="a conversation over --max-length: truncate (default: cut to it) or drop (leave it out)")
+    chat.add_argument("--chat-template", type=Path, metavar="FILE",
+                      help="a Jinja chat template in place of the tokenizer's (as TRL's chat_template_path; "
+                      "written to the output as chat_template.jinja, so an export renders the same)")
     args = p.parse_args(argv)
     if args.chat and args.loss_on not in ("assistant", "all"):
         p.error(f"--loss-on={args.loss_on} is unknown; use assistant or all")
     if args.chat and args.overlong not in ("truncate", "drop"):
         p.error(f"--overlong={args.overlong} is unknown; use truncate or drop")
+    if args.chat_template is not None and not args.chat:
+        p.error(f"--chat-template {args.chat_template} renders conversations: add --chat")
+    if not args.chat and (args.max_length or args.overlong != "truncate"):
+        p.error("--max-length and --overlong are for chat data; add --chat (text documents are not cut)")
     if args.max_length < 0:
         p.error(f"--max-length={args.max_length} must be >= 0 (0: no limit)")
     if args.chat and args.train_tokenizer is not None:
@@ -258,6 +265,8 @@ def prepare(args: argparse.Namespace) -> Dict[str, Any]:
     extra = _write(args, files, tok, tok_file, config, dtype, eos)
     seconds = time.perf_counter() - t0
     for name in TOKENIZER_FILES:  # shipped with the data (and with an export of a run trained on it)
+        if name == "chat_template.jinja" and args.chat_template is not None:
+            continue  # the --chat-template given, written by _write
         src = tok_file if name == "tokenizer.json" else tok_file.parent / name
         if src.is_file() and src.resolve() != (args.out / name).resolve():
             shutil.copy2(src, args.out / name)
@@ -267,6 +276,8 @@ def prepare(args: argparse.Namespace) -> Dict[str, Any]:
             "tokenizer_copy": "tokenizer.json", "vocab_size": vocab, "eos_id": eos, "bos_id": bos,
             "dtype": dtype.name, "inputs": [str(f) for f in files], "field": args.field, "seed": args.seed,
             "val_fraction": args.val_fraction, **extra, "seconds": round(seconds, 3)}
+    if args.chat_template is not None:
+        info["chat_template"] = str(args.chat_template.resolve())
     (args.out / MANIFEST).write_text(json.dumps(info, indent=1))
     return info
 
@@ -278,7 +289,14 @@ def _write(args: argparse.Namespace, files: List[Path], tok: Any, tok_file: Path
         from train.data.chat import ChatTemplate, special_tokens, template_source
         from train.data.chat_prepare import write_chat
 
-        template = ChatTemplate(template_source(tok_file, config), special_tokens(config), args.loss_on)
+        if args.chat_template is not None:
+            if not args.chat_template.is_file():
+                raise SystemExit(f"error: --chat-template {args.chat_template} does not exist; give a Jinja file")
+            source = args.chat_template.read_text(encoding="utf-8")
+            (args.out / "chat_template.jinja").write_text(source, encoding="utf-8")
+        else:
+            source = template_source(tok_file, config)
+        template = ChatTemplate(source, special_tokens(config), args.loss_on)
         pad = special_id(tok, config, "pad", None, ()) if config.get("pad_token") else None
         return {**write_chat(args, tok, template, files, dtype, in_val), "pad_id": eos if pad is None else pad}
     counts = write_splits(tok, documents(files, args.field), args.out, dtype, eos, args.seed, args.val_fraction,
