@@ -21,10 +21,11 @@ The batch is one sequence of 16 tokens, so activations are < 1 % of the states.
 
     .venv/bin/python bench/memory.py [--ranks 2,4] [--strategies ddp,fsdp,zero3]
 
-Two more phases, each its own module (their docstrings say what they measure):
+Three more phases, each its own module (their docstrings say what they measure):
 
     .venv/bin/python bench/memory.py init [--strategies fsdp,zero3,zero2]   # bench/init_memory.py
     .venv/bin/python bench/memory.py tp-loss [--vocab 128256]               # bench/tp_loss.py
+    .venv/bin/python bench/memory.py chunked-loss [--tokens 8192]           # bench/chunked_loss.py
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def main() -> None:
           "(largest rank); ratio = measured / model")
 
 
-PHASES = {"init": "init_memory", "tp-loss": "tp_loss"}  # phase -> module under bench/
+PHASES = {"init": "init_memory", "tp-loss": "tp_loss", "chunked-loss": "chunked_loss"}  # phase -> module under bench/
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in PHASES:

@@ -169,7 +169,9 @@ def torchtitan_rows() -> List[Row]:
     ]
     rows = []
     for case, gib, mode, overrides, note in cases:
-        cfg, layout = _cfg(["+cluster=h100x8", "train.seq_len=8192", "strategy.mixed_precision=bf16", *overrides])
+        # torchtitan's loss takes whole logits (no model.loss_chunk_tokens)
+        cfg, layout = _cfg(["+cluster=h100x8", "train.seq_len=8192", "strategy.mixed_precision=bf16", *overrides,
+                            "model.loss_chunk_tokens=0"])
         mem = estimate(cfg, layout, mode)
         rows.append(Row(f"torchtitan ({TORCHTITAN})", case, "peak reserved", gib,
                         (mem.total_bytes - CUDA_OVERHEAD) / GIB, "GiB", note))

@@ -2,7 +2,7 @@
 
 A Llama head over a 128,256-token vocabulary (Llama 3's), fed 2 x 1024 tokens of hidden
 states: the trainer's own TP plan (train/strategies/tp.py ``root_plan``: sequence-parallel
-norm, column-parallel head) and its loss (``loss_fn``: train/strategies/vocab_parallel.py
+norm, column-parallel head) and its loss (``loss_fn``: train/vocab_parallel.py
 on sharded logits), forward and backward, on gloo ranks (CPU, fp32). Each configuration
 runs in fresh processes; a thread samples the RSS every millisecond and the peak rise
 over the RSS before the forward is taken, for the largest rank. Printed: TP=1, TP=2 with
@@ -28,6 +28,27 @@ sys.path.insert(0, str(REPO))
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """``rise``: the peak of the RSS over its value at entry, a thread sampling it every
+    millisecond until exit (bench/chunked_loss.py measures with it too)."""
+
+    def __enter__(self) -> "PeakRSS":
+        self.base, self.peak, self._stop = _rss(), 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.rise = max(self.peak, _rss()) - self.base
 
 
 def _rank(rank: int, world: int, port: int, args, mode: str, out) -> None:
@@ -67,27 +88,18 @@ def _rank(rank: int, world: int, port: int, args, mode: str, out) -> None:
         parallelize_module(model, mesh, plan)
         h = distribute_tensor(h.detach(), mesh, [Shard(1)]).requires_grad_()  # sequence-parallel input
     dist.barrier()
-    base, peak, stop = _rss(), [0], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], _rss())
-            time.sleep(0.001)
-    thread = threading.Thread(target=sample)
-    thread.start()
-    if mode == "torch":  # torch's loss_parallel: F.cross_entropy over the sharded DTensor
-        with loss_parallel():
-            loss = F.cross_entropy(model(h).flatten(0, 1), targets.flatten(0, 1))
+    with PeakRSS() as rss:
+        if mode == "torch":  # torch's loss_parallel: F.cross_entropy over the sharded DTensor
+            with loss_parallel():
+                loss = F.cross_entropy(model(h).flatten(0, 1), targets.flatten(0, 1))
+                loss.backward()
+            loss = loss.full_tensor()
+        else:
+            loss = loss_fn(model(h), targets)
             loss.backward()
-        loss = loss.full_tensor()
-    else:
-        loss = loss_fn(model(h), targets)
-        loss.backward()
-    value = float(loss.detach())
-    stop.set()
-    thread.join()
+        value = float(loss.detach())
     peaks = [None] * world
-    dist.all_gather_object(peaks, (max(peak[0], _rss()) - base, value))
+    dist.all_gather_object(peaks, (rss.rise, value))
     if rank == 0:
         out.put(peaks)
     dist.destroy_process_group()

@@ -37,6 +37,11 @@ class ModelConfig:
     max_seq_len: int = 256
     # Share the token embedding with the output head (GPT-2 does, Llama does not).
     tie_embeddings: bool = False
+    # Tokens per chunk of the output head + loss (train/loss.py): the logits exist one
+    # chunk at a time, recomputed in the backward (never vocab x all tokens). 0 = whole
+    # logits; null = 1024 from a vocabulary of 65536 up, else 0. Not under tensor parallel
+    # (its vocab-sharded loss) nor on a pipeline's last stage (whole logits there).
+    loss_chunk_tokens: Optional[int] = None
     # SwiGLU hidden size given outright (Hugging Face's intermediate_size); null = from
     # ffn_dim_multiplier and multiple_of as above.
     ffn_hidden_dim: Optional[int] = None
@@ -53,3 +58,14 @@ class ModelConfig:
     # the dimensions above are read from its config.json at launch and the weights replace the random init
     # (README "Start from Hugging Face weights"). Nothing is downloaded.
     hf_path: Optional[str] = None
+
+
+#: model.loss_chunk_tokens null: chunks of AUTO_CHUNK tokens from a vocabulary of AUTO_VOCAB up.
+AUTO_CHUNK, AUTO_VOCAB = 1024, 65536
+
+
+def loss_chunk_tokens(m: ModelConfig) -> int:
+    """Tokens per chunk of the head + loss (train/loss.py); 0 = whole logits."""
+    if m.loss_chunk_tokens is None:
+        return AUTO_CHUNK if m.vocab_size >= AUTO_VOCAB else 0
+    return int(m.loss_chunk_tokens)

@@ -46,7 +46,7 @@ _NON_NEGATIVE = (
     "optim.lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "data.seed", "fault.step_delay_s", "fault.kill_in_save_at_step",
     "fault.hang_at_step", "fault.hang_s", "fault.raise_at_step", "fault.raise_every_steps", "fault.slow_async_save_s", "train.gc_every_steps",
     "launcher.max_parallel", "train.straggler_min_s", "fault.oom_at_step", "profile.every",
-    "train.epochs",
+    "train.epochs", "model.loss_chunk_tokens",
 )
 
 # Must be > 0 (and finite): a zero or negative value is meaningless or divides by zero.

@@ -38,7 +38,9 @@ class Evaluator:
         mine = torch.zeros((), dtype=torch.float64)
         for k in range(self.cfg.train.eval_batches):
             self.loader.load_state_dict({"step": k})
-            mine += engine.eval_loss(self.loader.next_step()).double().cpu() / self.cfg.train.eval_batches
+            batches = self.loader.next_step()
+            share = self.loader.step_targets / self.loader.dp_size
+            mine += engine.eval_loss(batches, share).double().cpu() / self.cfg.train.eval_batches
         local = mine.reshape(1).to(self.ctx.device)
         gathered = [torch.empty_like(local) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, local)

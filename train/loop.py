@@ -246,7 +246,7 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         clock.begin()
         batches = loader.next_step()
         clock.data_ready()
-        loss, grad_norm = engine.train_step(batches, lr)
+        loss, grad_norm = engine.train_step(batches, lr, loader.step_targets / loader.dp_size)  # train/loss.py
         clock.computed()
         agreed = _agree(task, engine, step, loss, grad_norm, _save_due(task, last_save), clock, profiler.asked())
         dt = time.perf_counter() - t0

@@ -19,6 +19,7 @@ from spec.config import ModelConfig, RopeScaling
 # Pure size arithmetic lives in spec/model_size.py so the torch-free planner shares it.
 from spec.model_size import count_params, ffn_hidden_dim, head_dim  # noqa: F401  (re-exported)
 from train.initial import fill_initial, local_runs
+from train.loss import chunked_head_loss, loss_chunk_tokens, loss_sum
 
 
 class RMSNorm(nn.Module):
@@ -197,14 +198,24 @@ class Transformer(nn.Module):
         cfg = self.cfg
         self.rope = rope_tables(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token ids -> logits; a pipeline stage without the embedding takes (and one
-        without the head returns) the hidden states instead."""
+        without the head returns) the hidden states instead. With ``targets``: the sum of
+        cross-entropy over those not -100 (train/loss.py), the head applied
+        ``model.loss_chunk_tokens`` tokens at a time so the whole logits never exist
+        (not under tensor parallel: its vocab-sharded logits take the vocab-parallel loss)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if targets is None:
+            return self.output(h)
+        chunk = loss_chunk_tokens(self.cfg)
+        if chunk > 0 and not isinstance(self.output.weight, DTensor):
+            return chunked_head_loss(self.output, h, targets, chunk)
+        return loss_sum(self.output(h), targets)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Transformer:

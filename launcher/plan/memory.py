@@ -17,6 +17,7 @@ from typing import Dict, Optional, Tuple
 from spec.ac_modes import ALIASES, MODES, ac_mode
 from spec.config import ClusterConfig, ModelConfig, RunConfig
 from spec.layout import Layout
+from launcher.plan.head import chunk_logits_bytes, loss_chunk
 from spec.model_size import count_params, ffn_hidden_dim, head_dim, largest_module_params, param_breakdown
 from spec.ds_config import deepspeed_config, use_bf16
 
@@ -199,14 +200,13 @@ def checkpointed_blocks(layers: int, mode: str) -> int:
 def activation_terms(cfg: RunConfig, layout: Layout, mode: str) -> Tuple[float, float, float, float]:
     """Bytes per token of the heaviest stage: (saved, in flight, head, head gradient).
 
-    saved:     what the stage's blocks keep from forward to backward (checkpointed ones
-               their input only);
+    saved:     what the stage's blocks keep from forward to backward (checkpointed: input);
     in flight: at the peak backward reaches the last block: its gradients (+1 block)
                and, if that block is checkpointed, its recomputed activations (+1 block);
     head:      the output layer: the final norm 12h (its output gathered whole), the
                logits in compute dtype and the fp32 log-softmax cross-entropy keeps,
                (e + 4) x vocab / v (v = :func:`vocab_shards`: the vocab-parallel loss);
-    head gradient: the log-softmax's fp32 gradient, 4 x vocab / v.
+    head gradient: the log-softmax's fp32 gradient, 4 x vocab / v (chunked: launcher/plan/head.py).
     ``mode`` may also be :data:`OP_SAC` (torchtitan's op-level selective checkpointing)."""
     m = cfg.model
     e, autocast = compute_bytes(cfg), uses_autocast(cfg)
@@ -219,9 +219,9 @@ def activation_terms(cfg: RunConfig, layout: Layout, mode: str) -> Tuple[float, 
         last_recomputed = ac_mode(mode).recomputes(layers - 1)
     saved = ckpt * kept + (layers - ckpt) * full
     flight = full + (full if last_recomputed else 0.0)
-    v = vocab_shards(layout)
-    head = (12 - e) * m.dim / layout.tp + e * m.dim + (e + 4) * m.vocab_size / v
-    return saved, flight, head, 4.0 * m.vocab_size / v
+    v, vocab = vocab_shards(layout), 0 if loss_chunk(cfg, layout) else m.vocab_size  # chunked: plan/head.py
+    head = (12 - e) * m.dim / layout.tp + e * m.dim + (e + 4) * vocab / v
+    return saved, flight, head, 4.0 * vocab / v
 
 
 def pipeline_held(cfg: RunConfig, layout: Layout) -> Tuple[int, int]:
@@ -253,9 +253,9 @@ def activation_bytes(cfg: RunConfig, layout: Layout, mode: str) -> float:
     removed). The schedule's ``losses`` (m scalars) and the token ids are negligible."""
     m, s, t = cfg.model, cfg.strategy, cfg.train
     saved, flight, head, grad = activation_terms(cfg, layout, mode)
-    if layout.pp == 1:
-        return t.micro_batch_size * t.seq_len * (saved + flight + head + grad)
     e, n = compute_bytes(cfg), s.pp_microbatches
+    if layout.pp == 1:
+        return t.micro_batch_size * t.seq_len * (saved + flight + head + grad) + chunk_logits_bytes(cfg, layout, e)
     step = t.micro_batch_size * t.grad_accum * t.seq_len
     micro = step / n
     hidden = step * (4 if uses_autocast(cfg) else e) * m.dim / layout.tp

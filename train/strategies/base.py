@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spec.config import OptimConfig, RunConfig
@@ -34,7 +33,7 @@ from spec.layout import Layout
 from train.harness.dist import DistContext
 from train.metrics import peak_memory_bytes, peak_reserved_bytes
 from train import steptimes
-from train.strategies.vocab_parallel import is_vocab_sharded, vocab_parallel_cross_entropy
+from train.loss import IGNORE, counted, loss_sum
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 #: Steps 1-3 of parallelisation on one module (the whole model or a pipeline stage).
@@ -42,11 +41,14 @@ Prepare = Callable[[nn.Module], None]
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy; logits sharded over the vocabulary (tensor parallel's head) are
-    reduced in parallel, never gathered (train/strategies/vocab_parallel.py)."""
-    if is_vocab_sharded(logits):
-        return vocab_parallel_cross_entropy(logits, targets)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    """Mean cross-entropy over the targets not -100; logits sharded over the vocabulary
+    (tensor parallel's head) are reduced in parallel, never gathered."""
+    return loss_sum(logits, targets) / (targets != IGNORE).sum()
+
+
+def divisor(batches: List[Batch], share: Optional[float]) -> float:
+    """What a micro-batch's loss sum is divided by: ``share``, or this rank's count."""
+    return float(share) if share is not None else float(max(counted(batches), 1))
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
@@ -88,11 +90,15 @@ class Engine(Protocol):
     optimizers: List[Any]
     device: torch.device
 
-    def train_step(self, micro_batches: Iterable[Batch], lr: float) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step: (mean loss over this rank's micro-batches, grad norm before clipping)."""
+    def train_step(self, micro_batches: Iterable[Batch], lr: float,
+                   share: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step: (this rank's part of the step's loss, grad norm before clipping).
+        ``share``: the step's counted targets / dp (``ShardedLoader.step_targets`` over the
+        data-parallel size); each micro-batch's loss is its sum over counted targets /
+        ``share`` (train/loss.py). None: this rank's own count."""
 
-    def eval_loss(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
-        """Mean loss over this rank's micro-batches, forward only (no gradient, no update)."""
+    def eval_loss(self, micro_batches: Iterable[Batch], share: Optional[float] = None) -> torch.Tensor:
+        """This rank's part of the loss (as train_step's), forward only (no gradient, no update)."""
 
     def state_dict(self) -> Dict[str, Any]:
         """DCP state: {"model": ..., "optim": ...} (the torch engines), both
@@ -221,9 +227,11 @@ class TorchEngine(DCPState):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def train_step(self, micro_batches: Iterable[Batch], lr: float) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mean loss over this rank's micro-batches, global grad norm before clipping)."""
+    def train_step(self, micro_batches: Iterable[Batch], lr: float,
+                   share: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this rank's part of the loss, global grad norm before clipping)."""
         batches = list(micro_batches)
+        norm = divisor(batches, share)
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
@@ -232,9 +240,9 @@ class TorchEngine(DCPState):
             if self.accumulating is not None:
                 self.accumulating(last)
             with sync:
-                with self._autocast():
-                    logits = self.module(inputs.to(self.device, non_blocking=True))
-                loss = loss_fn(logits, targets.to(self.device, non_blocking=True)) / len(batches)
+                with self._autocast():  # the module computes the loss (chunked head: train/loss.py)
+                    loss = self.module(inputs.to(self.device, non_blocking=True),
+                                       targets.to(self.device, non_blocking=True)) / norm
                 loss.backward()
             total += loss.detach()
         steptimes.mark_optimizer()
@@ -245,20 +253,21 @@ class TorchEngine(DCPState):
         self.optimizer.step()
         return total, grad_norm
 
-    def eval_loss(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
-        return forward_loss(self.module, micro_batches, self.device, self._autocast)
+    def eval_loss(self, micro_batches: Iterable[Batch], share: Optional[float] = None) -> torch.Tensor:
+        return forward_loss(self.module, micro_batches, self.device, self._autocast, share)
 
 
-def forward_loss(forward: Callable[[torch.Tensor], torch.Tensor], micro_batches: Iterable[Batch],
-                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
-    """Mean loss of ``forward`` over the micro-batches, without gradients (evaluation)."""
+def forward_loss(forward: Callable[..., torch.Tensor], micro_batches: Iterable[Batch], device: torch.device,
+                 autocast: Callable[[], contextlib.AbstractContextManager], share: Optional[float]) -> torch.Tensor:
+    """The loss of ``forward(inputs, targets)`` (a sum) over the micro-batches / the
+    divisor, without gradients (evaluation)."""
     batches = list(micro_batches)
+    norm = divisor(batches, share)
     total = torch.zeros((), device=device)
     with torch.no_grad():
         for inputs, targets in batches:
             with autocast():
-                logits = forward(inputs.to(device, non_blocking=True))
-            total += loss_fn(logits, targets.to(device, non_blocking=True)) / len(batches)
+                total += forward(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)) / norm
     return total
 
 

@@ -29,7 +29,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from torch import nn
 from spec.ds_config import deepspeed_config, use_bf16
 from train.torch_compat import link_path_without_spaces
 from train import steptimes
-from train.strategies.base import (Batch, DeviceMemory, EngineBuilder, build_adamw, forward_loss, loss_fn,
+from train.strategies.base import (Batch, DeviceMemory, EngineBuilder, build_adamw, divisor, forward_loss,
                                    set_lr)
 
 
@@ -74,9 +74,11 @@ class DeepSpeedEngine(DeviceMemory):
         grads = [p.grad.detach().float() for p in self.ds.module.parameters() if p.grad is not None]
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
-    def train_step(self, micro_batches: Iterable[Batch], lr: float) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mean loss over this rank's micro-batches, global grad norm before clipping)."""
+    def train_step(self, micro_batches: Iterable[Batch], lr: float,
+                   share: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this rank's part of the loss, global grad norm before clipping)."""
         batches = list(micro_batches)
+        norm_by = divisor(batches, share)
         if len(batches) != self.ds.gradient_accumulation_steps():
             raise RuntimeError(f"{len(batches)} micro-batches but DeepSpeed was configured for "
                                f"{self.ds.gradient_accumulation_steps()}")
@@ -84,25 +86,25 @@ class DeepSpeedEngine(DeviceMemory):
         total = torch.zeros((), device=self.device)
         norm = None
         for inputs, targets in batches:
-            logits = self.ds(inputs.to(self.device, non_blocking=True))
-            loss = loss_fn(logits, targets.to(self.device, non_blocking=True))
-            # backward divides by gradient_accumulation_steps; step() only updates at the
-            # accumulation boundary (the last micro-batch), where gradients are reduced.
-            self.ds.backward(loss)
+            loss = self.ds(inputs.to(self.device, non_blocking=True),
+                           targets.to(self.device, non_blocking=True)) / norm_by
+            # scale_wrt_gas=False: the divisor already spans the step's micro-batches; step()
+            # only updates at the accumulation boundary (the last), where gradients are reduced.
+            self.ds.backward(loss, scale_wrt_gas=False)
             if self.ds.is_gradient_accumulation_boundary():
                 steptimes.mark_optimizer()
                 if self.stage == 0:
                     norm = self._grad_norm()
             self.ds.step()
-            total += loss.detach() / len(batches)
+            total += loss.detach()
         if norm is None:
             value = self.ds.get_global_grad_norm()
             norm = torch.as_tensor(float("nan") if value is None else value, dtype=torch.float32)
         return total, norm.to(self.device)
 
-    def eval_loss(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
+    def eval_loss(self, micro_batches: Iterable[Batch], share: Optional[float] = None) -> torch.Tensor:
         """Forward through the engine (ZeRO-3 gathers each layer's parameters as it runs)."""
-        return forward_loss(self.ds, micro_batches, self.device, contextlib.nullcontext)
+        return forward_loss(self.ds, micro_batches, self.device, contextlib.nullcontext, share)
 
 
 class DeepSpeedBuilder(EngineBuilder):

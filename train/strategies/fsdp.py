@@ -19,7 +19,7 @@ unsharded model (:meth:`train.model.Transformer.init_weights` handles DTensors).
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -37,8 +37,9 @@ from train.strategies.base import Batch, EngineBuilder, TorchEngine, build_adamw
 class DTensorEngine(TorchEngine):
     """TorchEngine over DTensor parameters (FSDP2, TP): the grad norm comes back a plain tensor."""
 
-    def train_step(self, micro_batches: Iterable[Batch], lr: float) -> Tuple[torch.Tensor, torch.Tensor]:
-        loss, grad_norm = super().train_step(micro_batches, lr)
+    def train_step(self, micro_batches: Iterable[Batch], lr: float,
+                   share: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        loss, grad_norm = super().train_step(micro_batches, lr, share)
         if isinstance(grad_norm, DTensor):  # clip_grad_norm_ over DTensors: reduce the partial norms
             grad_norm = grad_norm.full_tensor()
         return loss, grad_norm

@@ -29,9 +29,12 @@ micro-batch travel the stages with point-to-point sends over the ``pp`` mesh dim
   (p - 1) / (v m + p - 1) for v times the point-to-point traffic (Narayanan et al.,
   2021, "Efficient Large-Scale Language Model Training on GPU Clusters").
 
-Each pipeline micro-batch's loss is the mean over its tokens and the schedule divides
-the summed gradients by m (``scale_grads``), so a step equals one step on the whole
-batch. The last stage's mean loss is broadcast over the pipeline group and the global
+Each pipeline micro-batch's loss is the sum over its counted targets divided by the
+step's count per data-parallel rank (:class:`ShareLoss`, train/loss.py), the schedule
+sums the micro-batches' gradients (``scale_grads=False``), so a step equals one step on
+the whole batch whatever the micro-batches' counts. The last stage keeps whole logits
+(one pipeline micro-batch's: ``model.loss_chunk_tokens`` does not apply there). The
+last stage's loss (the sum of its micro-batches') is broadcast over the pipeline group and the global
 gradient norm sums the squared norms of every stage (all-reduce over ``pp``) before
 clipping, so every engine reports and clips the same numbers.
 """
@@ -54,7 +57,8 @@ from spec.support import stages_per_rank
 from train.harness.dist import DistContext
 from train.model import Transformer
 from train import steptimes
-from train.strategies.base import (Batch, DCPState, EngineBuilder, Prepare, build_adamw, compute_dtype, loss_fn, set_lr,
+from train.loss import loss_sum
+from train.strategies.base import (Batch, DCPState, EngineBuilder, Prepare, build_adamw, compute_dtype, divisor, set_lr,
                                   state_dict_options, with_own_hyperparameters)
 from train.strategies.ddp import wrap_ddp
 from train.strategies.fsdp import apply_fsdp
@@ -88,6 +92,15 @@ def stage_module(model: Transformer, layer_ids: List[int], first: bool, last: bo
     return part
 
 
+class ShareLoss:
+    """The schedule's loss_fn: a pipeline micro-batch's loss sum / ``share`` (set per step)."""
+
+    share = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_sum(logits, targets) / self.share
+
+
 class PipelineEngine(DCPState):
     """Runs one optimizer step through a pipeline schedule; ``parts`` are this rank's stages."""
 
@@ -95,6 +108,7 @@ class PipelineEngine(DCPState):
                  device: torch.device, pp_group, first: bool, last: bool,
                  autocast: Optional[torch.dtype] = None) -> None:
         self.parts = self.model_parts = parts
+        self.share_loss = ShareLoss()  # the schedule's loss_fn (finish hands its own)
         self.optimizers = optimizers
         self.schedule = schedule
         self.device = device
@@ -104,9 +118,11 @@ class PipelineEngine(DCPState):
         self.autocast = autocast
         self._last_rank = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
 
-    def train_step(self, micro_batches: Iterable[Batch], lr: float) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mean loss of the batch, global grad norm before clipping) on every rank."""
+    def train_step(self, micro_batches: Iterable[Batch], lr: float,
+                   share: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this dp rank's part of the loss, global grad norm before clipping) on every rank."""
         batches = list(micro_batches)
+        self.share_loss.share = divisor(batches, share)
         inputs = torch.cat([x for x, _ in batches]).to(self.device, non_blocking=True)
         targets = torch.cat([y for _, y in batches]).to(self.device, non_blocking=True)
         for opt in self.optimizers:
@@ -119,7 +135,7 @@ class PipelineEngine(DCPState):
             self.schedule.step(*args, target=targets if self.last else None, losses=losses if self.last else None,
                                return_outputs=False)
         if self.last:
-            loss = torch.stack([x.detach().float() for x in losses]).mean()
+            loss = torch.stack([x.detach().float() for x in losses]).sum()
         else:
             loss = torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self._last_rank, group=self.pp_group)
@@ -130,9 +146,10 @@ class PipelineEngine(DCPState):
             opt.step()
         return loss, grad_norm
 
-    def eval_loss(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
-        """The schedule's forward-only pass; the last stage's mean loss, sent to every stage."""
+    def eval_loss(self, micro_batches: Iterable[Batch], share: Optional[float] = None) -> torch.Tensor:
+        """The schedule's forward-only pass; the last stage's loss, sent to every stage."""
         batches = list(micro_batches)
+        self.share_loss.share = divisor(batches, share)
         inputs = torch.cat([x for x, _ in batches]).to(self.device, non_blocking=True)
         targets = torch.cat([y for _, y in batches]).to(self.device, non_blocking=True)
         losses: List[torch.Tensor] = []
@@ -141,7 +158,7 @@ class PipelineEngine(DCPState):
         with torch.no_grad(), amp:
             self.schedule.eval(*((inputs,) if self.first else ()), target=targets if self.last else None,
                                losses=losses if self.last else None)
-        loss = (torch.stack([x.detach().float() for x in losses]).mean() if self.last
+        loss = (torch.stack([x.detach().float() for x in losses]).sum() if self.last
                 else torch.zeros((), device=self.device))
         dist.broadcast(loss, src=self._last_rank, group=self.pp_group)
         return loss
@@ -216,10 +233,13 @@ class PipelineBuilder(EngineBuilder):
         optimizers = [build_adamw(part, self.cfg.optim, ctx.device) for part in parts]
         stages = [PipelineStage(part, sid, self.n_stages, ctx.device, group=pp_group)
                   for part, sid in zip(parts, self.stage_ids)]
+        share_loss = ShareLoss()
         schedule = SCHEDULES[s.pp_schedule](stages if self.v > 1 else stages[0], n_microbatches=s.pp_microbatches,
-                                            loss_fn=loss_fn, scale_grads=True)
+                                            loss_fn=share_loss, scale_grads=False)
         # FSDP casts through its mixed-precision policy; otherwise autocast around the schedule.
         dtype = compute_dtype(self.cfg, ctx.device)
         autocast = dtype if s.data_parallel != "fsdp" and dtype != torch.float32 else None
-        return PipelineEngine(parts, optimizers, schedule, self.cfg, ctx.device, pp_group,
-                              first=self.pp_rank == 0, last=self.pp_rank == self.layout.pp - 1, autocast=autocast)
+        engine = PipelineEngine(parts, optimizers, schedule, self.cfg, ctx.device, pp_group,
+                                first=self.pp_rank == 0, last=self.pp_rank == self.layout.pp - 1, autocast=autocast)
+        engine.share_loss = share_loss
+        return engine

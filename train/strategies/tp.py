@@ -11,7 +11,7 @@ The plan is data: module FQN -> ParallelStyle, one for the root and one for ever
 - Embedding: row-parallel over the vocabulary (each rank looks up its rows, the partial
   results are reduce-scattered to sequence shards). Head: column-parallel over the
   vocabulary; its logits stay sharded over the vocabulary and the cross-entropy runs
-  vocab-parallel (train/strategies/vocab_parallel.py, as torchtitan's ``loss_parallel``
+  vocab-parallel (train/vocab_parallel.py, as torchtitan's ``loss_parallel``
   and Megatron-LM), so no rank holds the full vocabulary's logits; on a pipeline's last
   stage too, where the schedule hands the sharded logits to the same loss function.
 
@@ -36,7 +36,7 @@ from train.strategies.fsdp import DTensorEngine, dtensor_engine
 
 def root_plan(vocab_parallel: bool = False) -> Dict[str, ParallelStyle]:
     """``vocab_parallel``: the head's logits stay sharded over the vocabulary (a DTensor)
-    and ``loss_fn`` computes the loss in parallel (train/strategies/vocab_parallel.py); else
+    and ``loss_fn`` computes the loss in parallel (train/vocab_parallel.py); else
     they are gathered, every TP rank holding the full vocabulary's logits."""
     head = (ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
             if vocab_parallel else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))

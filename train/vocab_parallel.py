@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+IGNORE = -100  # torch's ignore_index
+
 
 def is_vocab_sharded(logits: torch.Tensor) -> bool:
     """A DTensor sharded on its last (vocabulary) dimension over a 1-D mesh."""
@@ -28,16 +30,19 @@ def is_vocab_sharded(logits: torch.Tensor) -> bool:
     return p.is_shard() and p.dim in (-1, logits.ndim - 1)
 
 
-def vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``logits`` (a DTensor [..., vocab] sharded on the vocabulary)
-    against ``targets`` [...]: a plain tensor, the same on every rank of the mesh."""
+def vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of ``logits`` (a DTensor [..., vocab] sharded on the vocabulary)
+    against ``targets`` [...]: a plain tensor, the same on every rank of the mesh. Targets
+    of -100 (torch's ignore_index) carry no loss; ``reduction`` "sum" or "mean" (over
+    the others), as ``F.cross_entropy``."""
     mesh = logits.device_mesh
     vocab, k = logits.shape[-1], mesh.size()
     size = -(-vocab // k)  # DTensor's even sharding (torch.chunk's sizes)
     start = min(mesh.get_local_rank() * size, vocab)
     local = logits.to_local()
-    return _VocabParallelCE.apply(local.reshape(-1, local.shape[-1]), targets.reshape(-1).to(local.device),
-                                  mesh.get_group(), start)
+    targets = targets.reshape(-1).to(local.device)
+    total = _VocabParallelCE.apply(local.reshape(-1, local.shape[-1]), targets, mesh.get_group(), start)
+    return total if reduction == "sum" else total / (targets != IGNORE).sum()
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -48,7 +53,7 @@ class _VocabParallelCE(torch.autograd.Function):
         # forbids modifying in place (the version counter stays shared: anything that had
         # saved them would still fail loudly)
         x = local.detach() if local.dtype == torch.float32 else local.float()
-        n, width = x.shape
+        width = x.shape[1]
         peak = x.max(dim=-1, keepdim=True).values
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         x.sub_(peak)
@@ -60,16 +65,17 @@ class _VocabParallelCE(torch.autograd.Function):
         both = torch.stack([target_logit, sum_exp])
         dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
         target_logit, sum_exp = both[0], both[1]
-        loss = (sum_exp.log() - target_logit).mean()
+        kept = targets != IGNORE
+        loss = ((sum_exp.log() - target_logit) * kept).sum()
         x.div_(sum_exp.unsqueeze(1))  # the softmax, kept for the backward
-        ctx.save_for_backward(x, index, outside)
-        ctx.dtype, ctx.n = local.dtype, n
+        ctx.save_for_backward(x, index, outside, kept)
+        ctx.dtype = local.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        softmax, index, outside = ctx.saved_tensors
-        grad = softmax  # d loss / d logits = (softmax - one_hot(target)) / n, in place
+        softmax, index, outside, kept = ctx.saved_tensors
+        grad = softmax  # d loss / d logits = softmax - one_hot(target), 0 where ignored, in place
         grad.scatter_add_(1, index.unsqueeze(1), (outside.to(grad.dtype) - 1.0).unsqueeze(1))
-        grad.mul_(grad_loss / ctx.n)
+        grad.mul_(kept.unsqueeze(1).to(grad.dtype) * grad_loss)
         return grad.to(ctx.dtype), None, None, None

@@ -1,0 +1,58 @@
+"""The training loss: a sum of cross-entropies, divided by the step's count of targets.
+
+Targets carry ``IGNORE`` (-100, torch's ``ignore_index``) where a position has no loss
+(chat data's prompt tokens). A micro-batch's loss is the *sum* of cross-entropy over its
+counted targets; the engines divide it by the step's share of counted targets per
+data-parallel rank (``ShardedLoader.step_targets / dp``), so that after the gradients'
+average over the data-parallel ranks the step's loss is the sum over every counted token
+of the global batch divided by their count: not a mean of micro-batch means, which
+would weigh a token of a short-answer micro-batch more than one of a long answer.
+
+The head and the loss in chunks (:func:`chunked_head_loss`): at a 152k vocabulary a
+sequence of 32k tokens has 10-20 GB of logits. The final norm's output goes through the
+head ``chunk`` tokens at a time, each chunk under ``torch.utils.checkpoint``
+(non-reentrant), so that the forward keeps only the chunk's input and its loss, and the
+backward recomputes one chunk's logits at a time: the whole logits never exist.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from spec.config_model import loss_chunk_tokens  # noqa: F401  (re-exported: model.loss_chunk_tokens)
+from train.vocab_parallel import is_vocab_sharded, vocab_parallel_cross_entropy
+
+IGNORE = -100  # torch's ignore_index: a target position without loss
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy over the targets that are not ``IGNORE`` (fp32); logits
+    sharded over the vocabulary (tensor parallel's head) are reduced in parallel, never
+    gathered (train/vocab_parallel.py)."""
+    if is_vocab_sharded(logits):
+        return vocab_parallel_cross_entropy(logits, targets, reduction="sum")
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def _chunk_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return loss_sum(head(h), targets)
+
+
+def chunked_head_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``loss_sum(head(h), targets)`` computed ``chunk`` tokens at a time (h [..., dim],
+    targets [...]); ``head`` is called as a module (its hooks run: DDP, FSDP, ZeRO)."""
+    flat, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    total = torch.zeros((), device=h.device, dtype=torch.float32)
+    for start in range(0, flat.shape[0], chunk):
+        piece = flat[start:start + chunk]
+        total = total + checkpoint(_chunk_loss, head, piece, tgt[start:start + chunk], use_reentrant=False)
+    return total
+
+
+def counted(batches: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Targets carrying loss in these micro-batches (not ``IGNORE``)."""
+    return sum(int((targets != IGNORE).sum()) for _, targets in batches)
