@@ -117,3 +117,34 @@ def test_negative_chunk_is_refused_naming_the_field():
     cfg.model.loss_chunk_tokens = -1
     with pytest.raises(ConfigError, match=r"model.loss_chunk_tokens=-1 must be >= 0; set e.g. model.loss_chunk_tokens=0"):
         validate(cfg)
+
+
+def test_chat_data_over_two_data_parallel_ranks_equals_one(tmp_path):
+    """Chat data (targets -100 at prompts and padding), in process: two data-parallel
+    ranks, each dividing its sums by the step's count / 2, average (as DDP, FSDP and ZeRO
+    average gradients) to what one rank holding the whole global batch gets, though the
+    ranks count different numbers of targets; chunked head (16 tokens) included."""
+    from test_chat_data import run_prepare
+    from train.data.chat_loader import ChatLoader
+    from train.loss import counted
+    from train.strategies.base import TorchEngine
+
+    prepared = run_prepare(tmp_path, "--max-length", "65")[0]
+    model_cfg = dataclasses.replace(CFG, vocab_size=384, loss_chunk_tokens=16)
+    cfg = RunConfig(model=model_cfg)
+    cfg.optim.grad_clip = 0.0
+
+    def step(rank: int, dp: int, accum: int):
+        loader = ChatLoader(prepared, "train", 64, 3, accum, rank, dp, seed=5)
+        batches = loader.next_step()
+        model = build_model(model_cfg, "cpu")
+        model.init_weights(seed=0, device=torch.device("cpu"))
+        engine = TorchEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), cfg, torch.device("cpu"))
+        loss, _ = engine.train_step(batches, 0.0, loader.step_targets / loader.dp_size)
+        return loss, [p.grad for p in model.parameters()], loader.step_targets, counted(batches)
+
+    (l0, g0, t0, c0), (l1, g1, t1, c1), (whole, g, t, c) = step(0, 2, 2), step(1, 2, 2), step(0, 1, 4)
+    assert t0 == t1 == t == c0 + c1 == c and c0 != c1  # the ranks' counts differ
+    torch.testing.assert_close((l0 + l1) / 2, whole, rtol=1e-5, atol=1e-6)
+    for a, b, ref in zip(g0, g1, g):
+        torch.testing.assert_close((a + b) / 2, ref, rtol=1e-4, atol=1e-6)
