@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple, Union
 from launcher import entrypoint, local, snapshot, submit
 from launcher.checks import already_done, check
 from launcher.compose import run_config
+from launcher.plan.gate import memory_line
 from launcher.provenance import CodeState, code_state, write_provenance
 from launcher.track import registry
 from launcher.track.summary import summary_lines
@@ -202,6 +203,9 @@ def dry_run(p: Point) -> int:
         print(task_view(p))
     else:
         print(batch_lines(p.cfg, p.layout))
+        plan = memory_line(p.cfg, p.layout)
+        if plan:
+            print(plan)
     print(f"dry run: nothing submitted\nrun_dir: {p.run_dir}")
     return 0
 

@@ -63,8 +63,13 @@ def group_options(group: str, dirs: Optional[List[Path]] = None) -> List[str]:
     return sorted({p.stem for d in (dirs or [CONF_DIR]) for p in (d / group).glob("*.yaml")})
 
 
+# Groups whose options set fields of several sections (``# @package _global_``): a recipe
+# (conf/experiment/r1_distill_sft.yaml) composes a model, a strategy and its settings at once.
+GLOBAL_GROUPS = ("experiment",)
+
+
 def _is_group(key: str, dirs: List[Path]) -> bool:
-    return key in GROUPS or any((d / key).is_dir() for d in dirs[1:])
+    return key in GROUPS or key in GLOBAL_GROUPS or any((d / key).is_dir() for d in dirs[1:])
 
 
 def _field_names(cls: Any) -> List[str]:

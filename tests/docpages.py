@@ -55,7 +55,7 @@ MAKE_CHECKED_ONLY = {"test", "test-fast", "test-gpu", "test-torch-floor", "clust
 # placeholder -> key in PageRun.paths (made by the test before the page runs)
 PLACEHOLDERS = {"/models/Llama-3.2-1B": "hf", "/models/my-finetune": "export", "OUT_DIR": "export",
                 "/data/mytext": "data", "~/myteam/conf": "confdir", "/data/mychat": "chat",
-                "tests/fixtures": "fixtures"}
+                "tests/fixtures": "fixtures", "conf/experiment": "experiments"}
 
 
 # Runs each ``[script, args...]`` of argv[1] (JSON) with --help as ``python script`` would

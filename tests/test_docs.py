@@ -55,7 +55,8 @@ def work(tmp_path_factory) -> dict:
         "# @package _global_\ncluster:\n  nodes: 4\nstrategy:\n  activation_checkpointing: full\n"
         "train:\n  steps: 1000\n")
     return {"root": root, "confdir": conf, "data": root / "data" / "mytext", "export": root / "export",
-            "chat": root / "data" / "mychat", "fixtures": REPO / "tests" / "fixtures"}
+            "chat": root / "data" / "mychat", "fixtures": REPO / "tests" / "fixtures",
+            "experiments": REPO / "conf" / "experiment"}
 
 
 @pytest.fixture(scope="module")

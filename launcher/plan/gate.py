@@ -47,6 +47,20 @@ def check_fits(cfg: RunConfig, layout: Layout) -> None:
                       "anyway")
 
 
+def memory_line(cfg: RunConfig, layout: Layout) -> Optional[str]:
+    """The dry run's memory plan: the planner's prediction per GPU and what makes it up
+    (None where cluster.gpu_mem_gb is unknown: CPU and unknown clusters)."""
+    if not cfg.cluster.gpu_mem_gb:
+        return None
+    mem = estimate(cfg, layout)
+    verdict = "fits" if mem.fits else "does NOT fit"
+    return (f"memory plan: {gb(mem.total_bytes)} GB per GPU of {cfg.cluster.gpu_mem_gb:g} ({verdict}; params "
+            f"{gb(mem.param_bytes)}, grads {gb(mem.grad_bytes)}, optimizer {gb(mem.optimizer_bytes)}, activations "
+            f"{gb(mem.activation_bytes)} with activation_checkpointing={cfg.strategy.activation_checkpointing}, "
+            f"buffers+overhead {gb(mem.buffer_bytes + mem.overhead_bytes)}; python -m launcher.plan for the "
+            "alternatives)")
+
+
 def _shortfall(cfg: RunConfig, mem: Memory) -> str:
     """What does not fit: the GPU (field gpu_mem_gb) or, with offload, the host (mem_gb)."""
     s, c = cfg.strategy, cfg.cluster
