@@ -55,6 +55,26 @@ def test_a_touch_makes_the_rank_write_every_threads_stack_and_go_on(tmp_path):
         worker.join()
 
 
+def test_a_rank_that_starts_after_the_request_is_asked_again(tmp_path, capsys):
+    """A rank's watchdog takes a STACK_NOW older than its own start for a previous segment's:
+    one that starts after launcher.stacks touched the file (a late rank under load) answers
+    the touch launcher.stacks repeats every RETOUCH_S while an answer is missing."""
+    (tmp_path / "run.json").write_text(json.dumps({"status": "running", "world_size": 2}))
+    early = Watchdog(tmp_path, rank=0, node=0, host="h", world_size=2, timeout_s=0, interval_s=0).start()
+    late: list = []
+    starter = threading.Timer(0.3, lambda: late.append(
+        Watchdog(tmp_path, rank=1, node=0, host="h", world_size=2, timeout_s=0, interval_s=0).start()))
+    starter.start()
+    try:
+        code = stacks.main([str(tmp_path), "--timeout", "10"])
+    finally:
+        starter.join()
+        for dog in [early, *late]:
+            dog.stop()
+    out = capsys.readouterr().out
+    assert code == 0 and "stacks of 2/2 ranks" in out, out
+
+
 def test_launcher_stacks_refuses_what_is_not_a_running_run(tmp_path, capsys):
     assert stacks.main([str(tmp_path)]) == 2
     assert "has no run.json" in capsys.readouterr().err

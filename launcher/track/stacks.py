@@ -3,7 +3,9 @@
 Touches ``RUN_DIR/STACK_NOW``; every rank's watchdog thread sees it within half a second
 and writes its threads' Python stacks to ``RUN_DIR/stacks/rank{R}.txt`` (on NCCL, its
 flight recorder's last collectives to ``stacks/nccl_trace_rank{R}.pkl``), and the job goes
-on (train/harness/watchdog.py). This command waits for every rank's answer, prints one
+on (train/harness/watchdog.py); a rank that started after the touch (it takes an older
+request for a previous segment's) is asked again: the file is touched every second while
+an answer is missing. This command waits for every rank's answer, prints one
 line per rank (host, step, phase, the main thread's innermost frame) and where the files
 are; ranks that did not answer in ``--timeout`` seconds are named (exit 1). Nothing
 running (run.json's status is not running): one line, exit 2.
@@ -19,6 +21,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from spec.rundir import RUN_JSON, STACK_NOW, STACKS, Status, read_run_json, status_of
+
+
+RETOUCH_S = 1.0  # the request is touched again this often while ranks have not answered
 
 
 def answers(run_dir: Path, asked_ns: int, world_size: int) -> Dict[int, Dict]:
@@ -76,10 +81,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     (run_dir / STACK_NOW).touch()
     os.utime(run_dir / STACK_NOW, ns=(asked, asked))  # the request's time, as the ranks compare it
     deadline = time.monotonic() + args.timeout
+    retouch = time.monotonic() + RETOUCH_S
     got = answers(run_dir, asked, world)
     while len(got) < world and time.monotonic() < deadline:
         time.sleep(0.1)
         got = answers(run_dir, asked, world)
+        if len(got) < world and time.monotonic() >= retouch:
+            # A rank whose watchdog started after the touch takes it as older than its start
+            # (train/harness/watchdog.py: a request left from a previous segment): ask again.
+            now = time.time_ns()
+            os.utime(run_dir / STACK_NOW, ns=(now, now))
+            retouch = time.monotonic() + RETOUCH_S
     waited = (time.time_ns() - asked) / 1e9
     for rank in range(world):
         if rank in got:
