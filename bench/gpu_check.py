@@ -20,6 +20,9 @@ slot still leaves what it did. Rows (one GPU is enough):
 - ``hf/zero3``: a Hugging Face Llama written by transformers here, imported under ZeRO-3;
 - ``accelerate/S`` (zero2, fsdp): examples/accelerate_train.py gets the engine of the
   strategy from Accelerate (DeepSpeed, FSDP);
+- ``profile/memory``: ``profile.steps=[2,3] profile.memory=true`` and an injected
+  out-of-memory error at step 4: the trace holds steps 2-3 and the GPU's kernels, the
+  window's allocator snapshot and ``oom_rank0.pickle`` are written (docs/observing.md);
 - ``health``: this machine's nvidia-smi outputs through train/harness/health.py;
 - ``doctor``: ``python -m launcher.doctor`` on this machine;
 - ``speed/S`` (ddp, ddp+compile, fsdp+compile, zero2): Llama 3.2 1B, bf16, seq 2048, micro-batch
@@ -128,6 +131,29 @@ def resumed_like(reference: Path) -> Callable[[Row, subprocess.CompletedProcess]
     return check
 
 
+def profiled_on_cuda(row: Row, proc: subprocess.CompletedProcess) -> str:
+    """Steps 2-3 traced with the GPU's kernels, the window's allocator snapshot beside the trace,
+    and the injected out-of-memory error at step 4 dumped as a snapshot (the run fails)."""
+    import gzip
+
+    folder = row.run_dir / "profile"
+    if proc.returncode == 0:
+        return "exit 0: the injected out-of-memory error did not end the run"
+    trace = folder / "step_2" / "rank0.json.gz"
+    if not trace.is_file():
+        return f"no {trace.relative_to(row.run_dir)}"
+    events = json.loads(gzip.decompress(trace.read_bytes())).get("traceEvents", [])
+    steps = {e.get("name") for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
+    kernels = sum(e.get("cat") == "kernel" for e in events)
+    if steps != {"ProfilerStep#2", "ProfilerStep#3"} or not kernels:
+        return f"trace steps {sorted(steps)}, {kernels} GPU kernel events"
+    missing = [name for name in ("step_2/rank0_memory.pickle", "oom_rank0.pickle") if not (folder / name).is_file()]
+    oom = json.loads((folder / "oom_rank0.json").read_text()) if (folder / "oom_rank0.json").is_file() else {}
+    if missing or oom.get("snapshot") != "oom_rank0.pickle" or oom.get("cuda") is not True:
+        return f"missing {missing}, oom_rank0.json {oom}"
+    return ""
+
+
 def failed_run(row: Row, proc: subprocess.CompletedProcess) -> str:
     """The injected failure ended the run (after its step-3 checkpoint)."""
     status = _run_json(row.run_dir).get("status")
@@ -171,6 +197,10 @@ def rows(scratch: Path) -> List[Row]:
         out.append(Row(f"accelerate/{strategy}", launcher_argv(
             *GPU, f"entrypoint={REPO / 'examples/accelerate_train.py'}", f"+strategy={strategy}",
             "entrypoint_args=[--steps,3]", f"launcher.run_dir={run_dir}"), accelerate_engine(engine), run_dir=run_dir))
+    run_dir = scratch / "profile_memory"  # the profiler's CUDA side: kernels in the trace, the allocator's snapshots
+    out.append(Row("profile/memory", launcher_argv(*GPU, "+strategy=ddp", *SHORT, "train.steps=4", "profile.steps=[2,3]",
+                                                   "profile.memory=true", "fault.oom_at_step=4",
+                                                   f"launcher.run_dir={run_dir}"), profiled_on_cuda, run_dir=run_dir))
     out.append(Row("doctor", [sys.executable, "-m", "launcher.doctor", *GPU, f"launcher.run_dir={scratch / 'doctor'}"],
                    exited_ok, run_dir=scratch / "doctor"))
     for name, extra in SPEED.items():
