@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 from spec.config import GROUPS, ConfigError, RunConfig
+from spec.validate import field_names
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -72,10 +73,6 @@ def _is_group(key: str, dirs: List[Path]) -> bool:
     return key in GROUPS or key in GLOBAL_GROUPS or any((d / key).is_dir() for d in dirs[1:])
 
 
-def _field_names(cls: Any) -> List[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
 def check_key(key: str) -> Optional[Tuple[Any, Any]]:
     """Raise ConfigError unless ``key`` (dotted) is a field of the schema. (the dataclass
     that declares it, its type hint), or None inside a free-form mapping."""
@@ -92,7 +89,7 @@ def check_key(key: str) -> Optional[Tuple[Any, Any]]:
         if part not in hints:
             where = ".".join(parts[:depth]) or "the config"
             raise ConfigError(f"unknown field {key!r}: {where} has no field {part!r}; known: "
-                              f"{', '.join(_field_names(cls))}")
+                              f"{', '.join(field_names(cls))}")
         owner, hint = cls, hints[part]
         cls = _unwrap(hint)[0]
     return owner, hint

@@ -126,14 +126,15 @@ def _finite(value: float) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _field_names(cls: type) -> tuple:
+def field_names(cls: type) -> tuple:
+    """A dataclass's field names (cached: the planner validates thousands of configs)."""
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _strings(obj: Any, prefix: str):
     """(dotted field, value) of every string in the config, env values included. (The
     planner validates every layout it weighs: thousands of configs for one refusal.)"""
-    for name in _field_names(type(obj)):
+    for name in field_names(type(obj)):
         key, value = prefix + name, getattr(obj, name)
         if hasattr(value, "__dataclass_fields__"):
             yield from _strings(value, key + ".")
