@@ -93,7 +93,7 @@ clean:
 	rm -rf runs multirun .pytest_cache
 
 .PHONY: gpu-check gpu-wheels
-## gpu-check: the CUDA paths for real on this machine's GPU(s), about 5.5 minutes on one
+## gpu-check: the CUDA paths for real on this machine's GPU(s), about 4 minutes on one
 ## H100/H200 (bench/gpu_check.py; table in GPU_CHECK_OUT, default runs/gpu-check). Runs with
 ## the machine's own python3 and torch; wheels from `make gpu-wheels` fill in the rest.
 gpu-check:

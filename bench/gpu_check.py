@@ -1,6 +1,6 @@
 """`make gpu-check`: the CUDA paths, each run for real on the GPU(s) of this machine.
 
-    python bench/gpu_check.py [--out DIR] [--only NAME ...] [--budget-s 330]
+    python bench/gpu_check.py [--out DIR] [--only NAME ...] [--budget-s 330] [--jobs 4] [--set KEY=VALUE ...]
     python bench/gpu_check.py --dry        # CPU/CI: build every row's command and check it
 
 Every row is one command (a launch of the toolkit, or a short Python check) with its
@@ -54,6 +54,7 @@ SHORT = ["train.seq_len=128", "data.num_tokens=200000", "train.log_every=1", "tr
 ENGINES = {"ddp": [], "fsdp": [], "zero1": [], "zero2": [], "zero3": [], "zero3_offload": [],
            "tp": ["strategy.tensor_parallel=1"], "pp": ["strategy.pipeline_parallel=1"]}
 RESUMED = ("fsdp", "zero2")
+TAIL_CHARS = 4000     # a failed row's output kept in gpu_check.jsonl
 RESUME_RTOL = 0.02   # bf16 on GPU, reductions in another order after a restart
 SPEED = {"ddp": ["+strategy=ddp"], "ddp+compile": ["+strategy=ddp", "strategy.compile=true"],
          "fsdp+compile": ["+strategy=fsdp", "strategy.compile=true"], "zero2": ["+strategy=zero2"]}
@@ -237,14 +238,22 @@ def accelerate_engine(engine: str) -> Callable[[Row, subprocess.CompletedProcess
 
 
 class Table:
-    """The rows' results so far, written after every row (a stopped run keeps them)."""
+    """The rows' results so far, written after every row (a stopped run keeps them); rows
+    that share the GPU add theirs from their own threads."""
 
     def __init__(self, out: Path) -> None:
+        import threading
+
         out.mkdir(parents=True, exist_ok=True)
         self.jsonl, self.md, self.results = out / "gpu_check.jsonl", out / "gpu_check.md", []
         self.jsonl.write_text("")
+        self.lock = threading.Lock()
 
     def add(self, name: str, result: str, seconds: float, detail: str = "", tail: str = "") -> None:
+        with self.lock:
+            self._add(name, result, seconds, detail, tail)
+
+    def _add(self, name: str, result: str, seconds: float, detail: str, tail: str) -> None:
         entry = {"row": name, "result": result, "s": round(seconds, 1), "detail": detail}
         if tail:
             entry["output_tail"] = tail
@@ -282,25 +291,55 @@ def _report(row: Row) -> str:
         return f"report failed: {type(exc).__name__}: {exc}"
 
 
-def run_rows(selected: List[Row], table: Table, budget_s: float) -> int:
-    deadline, failed = time.time() + budget_s, 0
+def _run_one(row: Row, table: Table, deadline: float, budget_s: float) -> bool:
+    """Run a row (its ``before`` first), judge it and add it to the table; True if it failed."""
+    if time.time() >= deadline:
+        table.add(row.name, "skip", 0.0, f"not started: the {budget_s:.0f} s budget is spent")
+        return True
+    start, why = time.time(), ""
+    proc = None
+    for step in filter(None, [row.before, row]):
+        proc = execute(step, deadline)
+        why = judge(step, proc)
+        if why:
+            why = f"{step.name}: {why}" if step is not row else why
+            break
+    tail = (proc.stdout + proc.stderr)[-TAIL_CHARS:] if why and proc is not None else ""
+    detail = why or _report(row)
+    table.add(row.name, "FAIL" if why else "pass", time.time() - start, detail, tail)
+    return bool(why)
+
+
+def chains(selected: List[Row]) -> List[List[Row]]:
+    """The rows that may share the GPU, as chains run one after another: a resume row after
+    the engine row whose uninterrupted run it compares with; every other row alone."""
+    out: Dict[str, List[Row]] = {}
     for row in selected:
-        if time.time() >= deadline:
-            table.add(row.name, "skip", 0.0, f"not started: the {budget_s:.0f} s budget is spent")
-            failed += 1
-            continue
-        start, why = time.time(), ""
-        proc = None
-        for step in filter(None, [row.before, row]):
-            proc = execute(step, deadline)
-            why = judge(step, proc)
-            if why:
-                why = f"{step.name}: {why}" if step is not row else why
-                break
-        tail = (proc.stdout + proc.stderr)[-1500:] if why and proc is not None else ""
-        detail = why or _report(row)
-        table.add(row.name, "FAIL" if why else "pass", time.time() - start, detail, tail)
-        failed += bool(why)
+        key = f"engine/{row.name.split('/')[1]}" if row.name.startswith("resume/") else row.name
+        out.setdefault(key, []).append(row)
+    return list(out.values())
+
+
+def run_rows(selected: List[Row], table: Table, budget_s: float, jobs: int = 1) -> int:
+    """The rows in table order; with ``jobs`` > 1 the small rows share the GPU, ``jobs`` at a
+    time (their own processes, ports and directories), and the speed rows run after them
+    alone, so their timings see an idle GPU."""
+    deadline = time.time() + budget_s
+    shared = [r for r in selected if not r.name.startswith("speed/")]
+    alone = [r for r in selected if r.name.startswith("speed/")]
+    if jobs <= 1:
+        shared, alone = [], selected
+    failed = 0
+    if shared:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def run_chain(chain: List[Row]) -> int:
+            return sum(_run_one(row, table, deadline, budget_s) for row in chain)
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            failed += sum(pool.map(run_chain, chains(shared)))
+    for row in alone:
+        failed += _run_one(row, table, deadline, budget_s)
     return failed
 
 
@@ -332,11 +371,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT", str(REPO / "runs" / "gpu-check")))
     parser.add_argument("--only", nargs="*", default=None, help="row names or prefixes (engine, resume/fsdp, ...)")
     parser.add_argument("--budget-s", type=float, default=330.0, help="rows not started by then are skipped")
+    parser.add_argument("--jobs", type=int, default=6,
+                        help="rows sharing the GPU at a time (the speed rows always run alone, last)")
     parser.add_argument("--dry", action="store_true", help="build and check every command, run none (no GPU)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override added to every launch row (e.g. train.micro_batch_size=8 with --only speed)")
     parser.add_argument("--scratch", default=None, help="where runs go (default: a new temporary directory)")
     args = parser.parse_args(argv)
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="sto-gpu-check-"))
     selected = select(rows(scratch), args.only)
+    for row in selected:  # --set after the row's own overrides: Hydra takes the last one
+        for step in filter(None, [row.before, row]):
+            if step.launch:
+                step.argv = step.argv[:-1] + args.set + step.argv[-1:]  # launcher.run_dir stays last
     if not selected:
         print(f"--only {' '.join(args.only)}: no such row; rows: {', '.join(r.name for r in rows(scratch))}")
         return 2
@@ -351,7 +398,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "run `make gpu-check` on a GPU machine, or `bench/gpu_check.py --dry` to check the rows")
             return 2
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, scratch {scratch}", flush=True)
-        failed = run_rows(selected, table, args.budget_s)
+        failed = run_rows(selected, table, args.budget_s, args.jobs)
     print(f"gpu-check: {len(table.results) - failed} passed, {failed} failed; table in {table.md}")
     return 1 if failed else 0
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from warm import pythonpath
 
 # CPU tests hide CUDA from themselves, here, before any test module imports torch (CUDA
 # reads the variable when it first initialises), and from every subprocess, spawned rank
@@ -52,7 +53,7 @@ def launcher(args: List[str], cwd: Path, env: dict | None = None, timeout: float
         import warm
 
         return warm.launcher(args, cwd, env, timeout)
-    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(repo)}
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": pythonpath(repo)}
     return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -218,7 +218,7 @@ class PageRun:
         return self._run(["bash", "-c", line], cwd=cwd, fails=fails)
 
     def _env(self) -> dict:
-        return {**os.environ, "PYTHONPATH": str(REPO),
+        return {**os.environ, "PYTHONPATH": warm.pythonpath(),
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
     def _run(self, argv: List[str], cwd: Path, expect: Optional[str] = None,

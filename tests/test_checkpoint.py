@@ -14,7 +14,7 @@ from conftest import REPO, run_dir_of
 from helpers import assert_committed, assert_same_state
 # Forked from one process that imported torch once (tests/warm.py); the signal test starts
 # the launcher for real (it finds the ranks by their command line).
-from warm import launcher
+from warm import launcher, pythonpath
 from train.checkpoint import find_latest, verify
 from spec.rundir import read_metrics, read_run_json
 
@@ -109,7 +109,7 @@ def test_truncated_or_corrupt_checkpoint_is_skipped(tmp_path, reference):
 
 def test_signal_interrupts_and_rerun_resumes(tmp_path, reference):
     args = BASE + ["fault.step_delay_s=0.3", "checkpoint.every_steps=0"]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=pythonpath())
     proc = subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_dir = None

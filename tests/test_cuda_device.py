@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import GPU_TESTS, REPO, launcher, run_dir_of
+from warm import pythonpath
 from helpers import compose_run
 from spec.device import DeviceError, device_index, task_device
 from spec.layout import build_layout
@@ -424,7 +425,7 @@ def test_cpu_tests_and_what_they_start_see_no_cuda():
 def _on_gpu(code: str, visible: str | None = None) -> subprocess.CompletedProcess:
     """``code`` in a fresh process that sees the GPUs ``visible`` (read when CUDA starts;
     None: those this process sees)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), **({"CUDA_VISIBLE_DEVICES": visible} if visible else {}))
+    env = dict(os.environ, PYTHONPATH=pythonpath(), **({"CUDA_VISIBLE_DEVICES": visible} if visible else {}))
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -14,6 +14,7 @@ import pytest
 
 import warm
 from conftest import REPO, launcher, run_dir_of
+from warm import pythonpath
 from launcher.local import free_port
 from spec.rundir import read_metrics, read_run_json
 
@@ -54,7 +55,7 @@ def test_same_entrypoint_under_torchrun_and_alone(tmp_path):
     prep = warm.launcher(COMMON + ["launcher.dry_run=true", f"data.cache_dir={tmp_path}/d"], cwd=tmp_path)
     run_dir = run_dir_of(prep.stdout)
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=pythonpath(), OMP_NUM_THREADS="1")
     port = str(free_port())  # torchrun hands "--master-port 0" to the workers as port 0
     proc = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", port, "-m", "train", str(run_dir)],
                           env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)

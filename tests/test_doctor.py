@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, eligible_nodes, launcher, run_dir_of
+from warm import pythonpath
 from launcher import doctor
 from spec.config import ClusterConfig
 from spec.doctor import DOCTOR_JSON, ENTRYPOINT
@@ -146,7 +147,7 @@ def test_doctor_args():
 
 
 def doctor_cli(args, cwd, env=None, timeout=300):
-    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": pythonpath()}
     return subprocess.run([sys.executable, "-m", "launcher.doctor", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from conftest import REPO, launcher, run_dir_of
+from warm import pythonpath
 from launcher.local import free_port
 from spec.rundir import read_metrics, read_run_json
 
@@ -45,7 +46,7 @@ def test_signal_during_start_up_checkpoints_at_the_first_step(tmp_path, entry):
                      "launcher.dry_run=true"], cwd=tmp_path)
     assert prep.returncode == 0, prep.stdout + prep.stderr
     run_dir = run_dir_of(prep.stdout)
-    env = dict(os.environ, PYTHONPATH=str(REPO), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+    env = dict(os.environ, PYTHONPATH=pythonpath(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, "-c", WRAPPER, entry, str(run_dir)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)

@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 from conftest import REPO
+from warm import pythonpath
 
 SCRIPT = """
 import os, signal, sys, time
@@ -37,7 +38,7 @@ print("rank0 exit", ranks.finish(code), "signals", sorted(set(got)), flush=True)
 def run(tmp_path: Path, child: str, rank0: str, world: int = 3, timeout: float = 60) -> subprocess.CompletedProcess:
     envs = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world)} for r in range(1, world)]
     script = SCRIPT.replace("CHILD(rank)", f"({child})(rank)").replace("RANK0(ranks, got)", f"({rank0})(ranks, got)")
-    env = dict(os.environ, PYTHONPATH=str(REPO), STO_LOCAL_FORK=json.dumps(envs))
+    env = dict(os.environ, PYTHONPATH=pythonpath(), STO_LOCAL_FORK=json.dumps(envs))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -79,3 +79,24 @@ def test_a_resume_row_brings_the_engine_row_it_is_compared_with(tmp_path):
     assert [r.name for r in select(every, ["resume/zero2"])] == ["engine/zero2", "resume/zero2"]
     assert [r.name for r in select(every, ["binding"])] == ["binding/task", "binding/node"]
     assert len(select(every, None)) == len(every)
+
+
+def test_rows_sharing_the_gpu_keep_their_order_and_the_speed_rows_run_alone_last(tmp_path):
+    """``--jobs``: a resume row runs after its engine row (it reads that run), the other small
+    rows at once, and the speed rows one by one after every small row has ended."""
+    sys.path.insert(0, str(REPO))
+    from bench.gpu_check import Row, Table, exited_ok, run_rows
+
+    log = tmp_path / "log"
+
+    def row(name: str, nap: float) -> Row:
+        code = f"import time; time.sleep({nap}); open({str(log)!r}, 'a').write({name!r} + '\\n')"
+        return Row(name, [sys.executable, "-c", code], exited_ok, launch=False)
+
+    selected = [row("engine/zero2", 0.6), row("engine/ddp", 0.0), row("resume/zero2", 0.0), row("speed/a", 0.2),
+                row("speed/b", 0.0), row("doctor", 0.3)]
+    assert run_rows(selected, Table(tmp_path / "out"), budget_s=60, jobs=4) == 0
+    order = log.read_text().split()
+    assert order.index("engine/zero2") < order.index("resume/zero2")
+    assert order.index("engine/ddp") < order.index("engine/zero2")  # did not wait for it
+    assert order[-2:] == ["speed/a", "speed/b"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, launcher, run_dir_of
+from warm import pythonpath
 from launcher.track import catalog, registry
 from spec.rundir import append_metrics, update_run_json
 
@@ -214,7 +215,7 @@ def test_the_real_command_lists_a_real_local_run(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = run_dir_of(proc.stdout)
     listed = subprocess.run([sys.executable, "-m", "launcher.list", str(tmp_path / "runs")], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+                            env={**os.environ, "PYTHONPATH": pythonpath()}, capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0 and not listed.stderr, listed.stderr
     header, line = listed.stdout.splitlines()
     cells = line.split()

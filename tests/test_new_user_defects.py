@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, launcher
+from warm import pythonpath
 from helpers import compose_run
 from spec.config import CheckpointConfig, ConfigError
 from spec.rundir import latest_checkpoint
@@ -125,7 +126,7 @@ def test_torch_libraries_are_linked_through_a_path_without_spaces(tmp_path):
             "link_path_without_spaces as f; lib = c.TORCH_LIB_PATH; link = f(); "
             "print(' ' in lib, ' ' in c.TORCH_LIB_PATH, link == c.TORCH_LIB_PATH, os.path.samefile(lib, link))")
     proc = subprocess.run([str(spaced / "bin" / "python"), "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+                          env={**os.environ, "PYTHONPATH": pythonpath()}, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "False", "True", "True"]
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from warm import pythonpath
 from helpers import compose_run
 from launcher.plan.costmodel import (all_gather_bytes, all_reduce_bytes, bubble_fraction, candidates, link_gbps,
                                 step_time)
@@ -455,7 +456,7 @@ def test_config_dir_as_the_launcher_takes_it(tmp_path):
     line = next(x for x in proc.stdout.splitlines() if x.startswith("#1: "))
     assert line.startswith(f"#1: python -m launcher --config-dir {tmp_path} +cluster=ourcluster"), line
     launch = subprocess.run([sys.executable, *line[len("#1: python "):].split(), "launcher.dry_run=true"], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+                            env={**os.environ, "PYTHONPATH": pythonpath()}, capture_output=True, text=True, timeout=120)
     assert launch.returncode == 0 and "#SBATCH" in launch.stdout, launch.stdout + launch.stderr
     both = plan_cli(["--config-dir", str(tmp_path), f"hydra.searchpath=[file://{tmp_path}]", "+cluster=ourcluster"])
     assert both.returncode == 2 and "give one of them" in both.stderr and both.stderr.count("\n") == 1

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, final_states, job_gone, launcher, run_dir_of, submit_run, wait_until
+from warm import pythonpath
 from helpers import hidden_slurm_client
 from spec.rundir import read_metrics, read_run_json
 
@@ -144,7 +145,7 @@ def test_scancel_saves_but_never_requeues(tmp_path, slurm_cluster):
     assert row["fwd_bwd_s"]["max_rank"] == 0 and row["fwd_bwd_s"]["max"] > 0.3  # rank 0 waits for rank 1 in DDP
     # first, what are the two nodes' ranks doing? (issue 32 item 4; tests/test_stacks.py)
     asked = subprocess.run([sys.executable, "-m", "launcher.stacks", str(run_dir), "--timeout", "30"],
-                           env={**slurm_cluster, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+                           env={**slurm_cluster, "PYTHONPATH": pythonpath()}, capture_output=True, text=True, timeout=60)
     assert asked.returncode == 0, asked.stdout + asked.stderr
     heads = [json.loads((run_dir / "stacks" / f"rank{r}.txt").read_text().splitlines()[0]) for r in (0, 1)]
     assert [h["node"] for h in heads] == [0, 1], (heads, asked.stdout)  # one rank on each node answered

@@ -23,13 +23,14 @@ import numpy as np
 import pytest
 
 from conftest import REPO, launcher
+from warm import pythonpath
 from spec.rundir import read_metrics
 
 DOCS = [f"Document {i}: " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(40 + i)) for i in range(60)]
 
 
 def prepare(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     return subprocess.run([sys.executable, "-m", "train.data.prepare", *args, "--no-progress"], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from conftest import REPO, eligible_nodes, job_gone, submit_run, wait_until
+from warm import pythonpath
 from spec.rundir import read_metrics, read_run_json
 from test_reshard import assert_every_sample_once
 
@@ -40,7 +41,7 @@ def test_preempted_on_2_nodes_resumed_on_1(tmp_path, slurm_cluster):
     assert 4 <= saved < STEPS
 
     proc = subprocess.run([sys.executable, "-m", "launcher.resume", str(run_dir), "cluster.nodes=1", "--wait"],
-                          cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          cwd=tmp_path, env={**env, "PYTHONPATH": pythonpath()}, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     info = read_run_json(run_dir)
@@ -74,7 +75,7 @@ def test_deepspeed_reshape_converts_in_a_cpu_job_first(tmp_path, slurm_cluster):
                "the ZeRO-3 run to fail at step 7 and leave the queue")
     resume = [sys.executable, "-m", "launcher.resume", str(run_dir), "strategy=zero2", "cluster.nodes=1",
               "fault.raise_at_step=0"]
-    py_env = {**env, "PYTHONPATH": str(REPO)}
+    py_env = {**env, "PYTHONPATH": pythonpath()}
     # With the nodes taken, both jobs wait; launcher.cancel cancels the conversion with the run's job.
     nodes = eligible_nodes(env)
     blocker = subprocess.run(["sbatch", "--parsable", "-N", str(len(nodes)), "-w", ",".join(nodes), "--exclusive",

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from warm import pythonpath
 
 from helpers import compose_run
 from launcher.submit import render_script
@@ -111,7 +112,7 @@ def run_script(tmp_path: Path, overrides=(), array: bool = False, **env):
         (bin_dir / name).write_text(SRUN if name == "srun" else CLIENT)
         (bin_dir / name).chmod(stat.S_IRWXU)
     full = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(tmp_path / "log"), "RUN_DIR": str(run_dir),
-            "SLURM_JOB_ID": "41", "SLURM_JOB_PARTITION": "debug", "PYTHONPATH": str(REPO), **env}
+            "SLURM_JOB_ID": "41", "SLURM_JOB_PARTITION": "debug", "PYTHONPATH": pythonpath(), **env}
     if array:
         full.update(SLURM_ARRAY_JOB_ID="40", SLURM_ARRAY_TASK_ID="3")
     proc = subprocess.run(["bash", "-c", script], env=full, capture_output=True, text=True, timeout=60)

@@ -18,6 +18,7 @@ import pytest
 
 import warm
 from conftest import REPO
+from warm import pythonpath
 from helpers import compose_run
 from launcher import codetree, entrypoint, launch, relaunch, snapshot
 from spec.config import ConfigError, to_yaml
@@ -122,7 +123,7 @@ def test_the_tasks_import_the_copy_before_the_checkout(tmp_path):
     script = launch.submit.render_script(cfg, p.layout, p.run_dir, code=p.frozen)
     assert p.frozen.setup_lines()[0] in script and f"/bin/bash {wrapper} {python} -u -m submitit.core._submit" in script
     probe = "import train.job, slurm.submitit_adapter as s; print(train.job.__file__); print(s.__file__)"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     for command, where in ((python, copy), (shlex.quote(sys.executable), REPO)):
         line = f"{p.frozen.setup_lines()[0]}; exec /bin/bash {wrapper} {command} -c '{probe}'"
         out = subprocess.run(["bash", "-c", line], cwd=REPO, env=env, capture_output=True, text=True, check=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ONE_STEP, REPO, launcher
+from warm import pythonpath
 from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -95,7 +96,7 @@ def test_identical_points_are_one_array_and_requeueing_one_element_leaves_the_ot
     assert [(r["point"], r["event"], r["job_id"]) for r in registry] == \
         [(d.name, "submitted", job) for job, d in points]
     status = subprocess.run([sys.executable, "-m", "launcher.status", str(points[0][1].parent)], cwd=tmp_path,
-                            env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=60)
+                            env=dict(env, PYTHONPATH=pythonpath()), capture_output=True, text=True, timeout=60)
     assert "3 points: 3 completed" in status.stdout and all(job in status.stdout for job, _ in points), status.stdout
 
 
@@ -147,5 +148,5 @@ def test_invalid_points_are_skipped_with_their_reason_and_the_rest_submitted(tmp
     acct = wait_finished(points, env)
     assert all(read_run_json(d)["status"] == "completed" and acct[job][1] == "COMPLETED" for job, d in points)
     status = subprocess.run([sys.executable, "-m", "launcher.status", str(sweep)], cwd=tmp_path,
-                            env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=60)
+                            env=dict(env, PYTHONPATH=pythonpath()), capture_output=True, text=True, timeout=60)
     assert "6 points: 2 completed, 4 skipped" in status.stdout, status.stdout

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, launcher
+from warm import pythonpath
 from launcher.track import report
 from spec.rundir import read_metrics, read_run_json
 
@@ -25,7 +26,7 @@ SECOND = ["+strategy=ddp,fsdp"] if (REPO / "conf/strategy/fsdp.yaml").exists() e
 
 def module(name, args, cwd, env, timeout=240):
     return subprocess.run([sys.executable, "-m", f"launcher.{name}", *args], cwd=cwd, capture_output=True, text=True,
-                          env=dict(env, PYTHONPATH=str(REPO)), timeout=timeout)
+                          env=dict(env, PYTHONPATH=pythonpath()), timeout=timeout)
 
 
 def sweep_dir_of(proc) -> Path:

@@ -12,6 +12,7 @@ import sys
 import time
 
 from conftest import REPO
+from warm import pythonpath
 from slurm.submitit_adapter import TASK_WRAPPER
 
 # A task whose handler comes late: 1.5 s of "imports", then the harness's flag.
@@ -33,7 +34,7 @@ def _start(wrapped: bool, *args: str) -> subprocess.Popen:
     if wrapped:
         cmd = ["/bin/bash", str(TASK_WRAPPER), *cmd]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": os.environ.get("TMPDIR", "/tmp")})
+                            env={**os.environ, "PYTHONPATH": pythonpath(), "TMPDIR": os.environ.get("TMPDIR", "/tmp")})
 
 
 def test_usr2_during_start_up_reaches_the_handler_through_the_wrapper():

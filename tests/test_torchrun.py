@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from conftest import REPO, run_dir_of
+from warm import pythonpath
 from helpers import compose_run, strategy_options
 import warm  # the dry run that writes the run directory: forked warm (tests/warm.py)
 from launcher.local import free_port
@@ -53,7 +54,7 @@ def test_strategy_under_torchrun(tmp_path, strategy):
     assert prep.returncode == 0, prep.stdout + prep.stderr
     run_dir = run_dir_of(prep.stdout)
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=pythonpath(), OMP_NUM_THREADS="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     proc = subprocess.run([torchrun, "--nproc-per-node", str(ranks), "--master-port", str(free_port()), "-m", "train",
                            str(run_dir)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)

@@ -16,6 +16,7 @@ import pytest
 
 import warm
 from conftest import REPO, launcher, run_dir_of
+from warm import pythonpath
 from helpers import compose_run
 from launcher import entrypoint
 from launcher.submit import render_script
@@ -204,7 +205,7 @@ def test_a_rank_that_fails_first_fails_the_run_though_rank_0_was_stopped_for_it(
 def _start(tmp_path: Path, args: list) -> tuple:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "launcher", *args, f"launcher.run_dir={run_dir}"], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": pythonpath()}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     return proc, run_dir
 
@@ -424,7 +425,7 @@ def test_groups_a_users_code_destroys_outlive_its_ddp_model(tmp_path):
     Reducer never drops the last reference (its destructor joins gloo's workers with the
     GIL held: a deadlock when a worker still needs it; train/harness/groups.py)."""
     proc = subprocess.run([sys.executable, "-c", KEEP, str(tmp_path / "store")], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": pythonpath()})
     assert proc.returncode == 0 and proc.stdout.strip() == "kept 2", proc.stdout + proc.stderr
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, launcher, submit_run as submit, wait_until
+from warm import pythonpath
 from spec.rundir import read_metrics, read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -27,7 +28,7 @@ def finished(run_dir: Path) -> str:
 
 def module(name: str, args: list, env: dict, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", f"launcher.{name}", *args], cwd=cwd, capture_output=True, text=True,
-                          env=dict(env, PYTHONPATH=str(REPO)), timeout=120)
+                          env=dict(env, PYTHONPATH=pythonpath()), timeout=120)
 
 
 def test_each_entry_point_form_runs_on_two_nodes_with_world_4(tmp_path, slurm_cluster):

@@ -43,7 +43,15 @@ from typing import Callable, List, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = str(Path(__file__).resolve().parent)
-EXTENSIONS = str(REPO / ".cache" / "torch_extensions")  # DeepSpeed's compiled CPU comms, as tests/test_strategies.py
+EXTENSIONS = str(REPO / ".cache" / "torch_extensions")
+# What the caller's PYTHONPATH held, kept behind the checkout for every process a test starts:
+# a GPU machine's `make test-gpu` finds the wheels of `make gpu-wheels` there (bench/gpu_check.sh).
+_OUTER_PATH = os.environ.get("PYTHONPATH", "")
+
+
+def pythonpath(repo: Path = REPO) -> str:
+    """PYTHONPATH for a process a test starts: ``repo`` first, then what the suite was given."""
+    return os.pathsep.join(dict.fromkeys(p for p in [str(repo), *_OUTER_PATH.split(os.pathsep)] if p))  # DeepSpeed's compiled CPU comms, as tests/test_strategies.py
 
 
 # --- the server ---------------------------------------------------------------------------
@@ -317,7 +325,7 @@ def _connection() -> subprocess.Popen:
     """The server of this pytest process, started on first use (~10 s of imports)."""
     global _server
     if _server is None or _server.poll() is not None:
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=pythonpath(), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS)
         with open(_server_log, "w") as log:
             _server = subprocess.Popen([sys.executable, "-u", __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -359,7 +367,7 @@ def run_module(module: str, args: List[str], cwd: Path, env: Optional[dict] = No
     """``python -m MODULE ARGS`` from ``cwd`` as ``conftest.launcher`` runs it (PYTHONPATH
     the checkout, ``env`` added), forked warm; its CompletedProcess (TimeoutExpired after
     ``timeout`` s, its processes killed)."""
-    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": pythonpath()}
     request = dict(kind="module", module=module, args=list(args), cwd=str(cwd), env=full_env, timeout=timeout)
     return _request(request, [sys.executable, "-m", module, *args])
 
@@ -374,7 +382,7 @@ def call_ranks(function: Callable, ranks: int, args: tuple, cwd: Path, env: Opti
     """``function(rank, *args)`` in ``ranks`` processes at once, each forked warm (what
     ``torch.multiprocessing`` spawns, without the imports); ``function`` importable by
     module name from tests/ (a test module's)."""
-    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": pythonpath()}
     with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
         pickle.dump(tuple(args), f)
     try:
