@@ -39,7 +39,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     # Tokens per chunk of the output head + loss (train/loss.py): the logits exist one
     # chunk at a time, recomputed in the backward (never vocab x all tokens). 0 = whole
-    # logits; null = 1024 from a vocabulary of 65536 up, else 0. Not under tensor parallel
+    # logits; null = whole logits below a vocabulary of 65536 and, on a GPU, while one
+    # micro-batch's logits take at most a quarter of its memory, else 1024. Not under tensor parallel
     # (its vocab-sharded loss) nor on a pipeline's last stage (whole logits there).
     loss_chunk_tokens: Optional[int] = None
     # SwiGLU hidden size given outright (Hugging Face's intermediate_size); null = from
@@ -60,12 +61,29 @@ class ModelConfig:
     hf_path: Optional[str] = None
 
 
-#: model.loss_chunk_tokens null: chunks of AUTO_CHUNK tokens from a vocabulary of AUTO_VOCAB up.
-AUTO_CHUNK, AUTO_VOCAB = 1024, 65536
+#: model.loss_chunk_tokens null: whole logits below a vocabulary of AUTO_VOCAB; from there,
+#: on a GPU of known memory, whole logits while one micro-batch's take at most
+#: AUTO_LOGITS_SHARE of it, else chunks of AUTO_CHUNK tokens (CPU ranks: always chunks).
+AUTO_CHUNK, AUTO_VOCAB, AUTO_LOGITS_SHARE = 1024, 65536, 0.25
+#: Bytes per token and vocabulary entry of whole logits at the backward's peak: the bf16
+#: logits, their fp32 log-softmax and its gradient (launcher/plan/head.py counts the same).
+LOGIT_BYTES = 10
 
 
-def loss_chunk_tokens(m: ModelConfig) -> int:
-    """Tokens per chunk of the head + loss (train/loss.py); 0 = whole logits."""
-    if m.loss_chunk_tokens is None:
-        return AUTO_CHUNK if m.vocab_size >= AUTO_VOCAB else 0
-    return int(m.loss_chunk_tokens)
+def loss_chunk_tokens(m: ModelConfig, tokens: int = 0, gpu_mem_gb: Optional[float] = None) -> int:
+    """Tokens per chunk of the head + loss (train/loss.py); 0 = whole logits.
+
+    ``model.loss_chunk_tokens`` when set; with null, ``tokens`` (one micro-batch's) and
+    ``gpu_mem_gb`` (the GPU's memory as the cluster groups count it; None off a GPU or
+    unknown) decide: the chunks' recompute and their loss outside the compiled graph cost
+    12% of a 1B Llama's step on an H100 (48.8k against 42.8k tokens/s, bench/GPU_RESULTS.md),
+    so whole logits where they take at most a quarter of the GPU's memory (one micro-batch
+    of 8k tokens at a 128k vocabulary: 10.5 GB of 80), chunks beyond (Qwen's 152k at 32k
+    tokens: 100 GB)."""
+    if m.loss_chunk_tokens is not None:
+        return int(m.loss_chunk_tokens)
+    if m.vocab_size < AUTO_VOCAB:
+        return 0
+    if tokens and gpu_mem_gb and tokens * m.vocab_size * LOGIT_BYTES <= AUTO_LOGITS_SHARE * gpu_mem_gb * 1e9:
+        return 0
+    return AUTO_CHUNK

@@ -54,6 +54,38 @@ def test_chunk_default_by_vocabulary():
     assert chunk(256, 512) == 512 and chunk(152064, 0) == 0
 
 
+
+def test_chunk_default_on_a_gpu_by_the_share_of_memory_the_logits_take():
+    """Whole logits on a GPU while one micro-batch's (10 bytes a token and vocabulary entry)
+    take at most a quarter of its memory: a 1B Llama's 8k tokens at 128k (10.5 GB of 80) run
+    whole, 16k tokens (21 GB) and Qwen's 152k at 64k tokens (100 GB) in chunks; off a GPU,
+    or where its memory is unknown, chunks as before; a configured value always wins."""
+    llama, qwen = ModelConfig(vocab_size=128256), ModelConfig(vocab_size=152064)
+    assert loss_chunk_tokens(llama, 8192, 80) == 0
+    assert loss_chunk_tokens(llama, 16384, 80) == AUTO_CHUNK
+    assert loss_chunk_tokens(qwen, 65536, 80) == AUTO_CHUNK
+    assert loss_chunk_tokens(llama, 8192, None) == AUTO_CHUNK
+    assert loss_chunk_tokens(dataclasses.replace(llama, loss_chunk_tokens=512), 8192, 80) == 512
+    assert loss_chunk_tokens(ModelConfig(vocab_size=32000), 10**6, 80) == 0
+
+
+@pytest.mark.parametrize("micro, gpu_mem_gb", [(4, 80), (8, 80), (4, 40), (4, None)])
+def test_the_trainer_chunks_as_the_planner_counts(micro, gpu_mem_gb):
+    """train.model.head_loss_chunk (what the ranks run) and launcher.plan.head.loss_chunk
+    (what the memory plan counts) decide alike for a GPU cluster's run."""
+    from helpers import compose_run
+    from launcher.plan.head import loss_chunk
+    from spec.layout import build_layout
+    from train.model import head_loss_chunk
+
+    cfg = compose_run(["+cluster=a100x8", "+model=llama3_1b", "train.seq_len=2048",
+                       f"train.micro_batch_size={micro}", f"cluster.gpu_mem_gb={gpu_mem_gb or 'null'}"])
+    planned = loss_chunk(cfg, build_layout(cfg))
+    assert planned == (0 if (micro, gpu_mem_gb) == (4, 80) else AUTO_CHUNK)
+    if gpu_mem_gb:  # the device's own memory is read only where the cluster does not say
+        assert head_loss_chunk(cfg, torch.device("cuda")) == planned
+    assert head_loss_chunk(cfg, torch.device("cpu")) == AUTO_CHUNK
+
 def test_step_loss_is_sum_over_counted_targets_not_mean_of_means():
     """Two micro-batches with 39 and 48 counted targets: the step's loss and gradients are
     those of all 87 tokens' mean, which differs from the mean of the two means."""

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from spec.batch import peak_lr
 from spec.config import CheckpointConfig, RunConfig
+from spec.config_model import AUTO_VOCAB
 from spec.model_size import flops_per_token
 from spec.rundir import STEPTIMES, STRAGGLERS, MetricsRow, Status, read_run_json, shape_line, update_run_json
 from spec.schedule import schedule, schedule_line
@@ -24,7 +25,7 @@ from train.harness.outcome import StragglerError
 from train.harness.run import Task
 from train.harness.watchdog import COLLECTIVE
 from train.metrics import mfu, reset_peaks
-from train.model import build_model
+from train.model import build_model, head_loss_chunk
 from train.parallelize import parallelize
 from train.profiling import StepProfiler
 from train.steptimes import FIELDS, StepClock, Stragglers, breakdown, peers
@@ -120,12 +121,21 @@ def _build_and_restore(task: Task, ckpt: Checkpointer) -> Tuple[Engine, Optional
     built = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load_universal=True)) \
         if ckpt.plan_load() else cfg
 
+    chunk = head_loss_chunk(cfg, ctx.device)
+
     def build() -> Engine:
-        return parallelize(build_model(built.model, "meta"), built, layout, ctx)
+        model = build_model(built.model, "meta")
+        model.loss_chunk = chunk
+        return parallelize(model, built, layout, ctx)
 
     engine = build()
     task.faults.after_build()
     log(f"rank {ctx.rank} coords {layout.coords(ctx.rank)} device {ctx.device} backend {ctx.backend}")
+    if ctx.is_main and cfg.model.vocab_size >= AUTO_VOCAB and layout.tp == 1 and layout.pp == 1:
+        log(f"head + loss: {f'in chunks of {chunk} tokens' if chunk else 'whole logits'} "
+            f"(model.loss_chunk_tokens={'null' if cfg.model.loss_chunk_tokens is None else cfg.model.loss_chunk_tokens}, "
+            f"micro-batch of "
+            f"{cfg.train.micro_batch_size * cfg.train.seq_len} tokens, vocabulary {cfg.model.vocab_size})")
     restored = ckpt.load_latest(engine, log)
     if restored is None and ckpt.engine_dirty:  # a rejected checkpoint was partly read into it
         log("no checkpoint loaded: building the model again (a rejected one was partly read into it)")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from spec.config import ModelConfig, RopeScaling
+from spec.config import ModelConfig, RopeScaling, RunConfig
 # Pure size arithmetic lives in spec/model_size.py so the torch-free planner shares it.
 from spec.model_size import count_params, ffn_hidden_dim, head_dim  # noqa: F401  (re-exported)
 from train.initial import fill_initial, local_runs
@@ -167,6 +167,9 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", torch.empty(0), persistent=False)
+        # Tokens per chunk of the head + loss the trainer decided for this run and device
+        # (head_loss_chunk); None: model.loss_chunk_tokens with no run to go by.
+        self.loss_chunk: Optional[int] = None
 
     @torch.no_grad()
     def init_weights(self, seed: int, device: Optional[torch.device] = None) -> None:
@@ -212,10 +215,20 @@ class Transformer(nn.Module):
             return h
         if targets is None:
             return self.output(h)
-        chunk = loss_chunk_tokens(self.cfg)
+        chunk = self.loss_chunk if self.loss_chunk is not None else loss_chunk_tokens(self.cfg)
         if chunk > 0 and not isinstance(self.output.weight, DTensor):
             return chunked_head_loss(self.output, h, targets, chunk)
         return loss_sum(self.output(h), targets)
+
+
+def head_loss_chunk(run: RunConfig, device: torch.device) -> int:
+    """The run's tokens per chunk of the head + loss on ``device`` (0 = whole logits): as
+    the planner counts it (spec.config_model.loss_chunk_tokens, launcher/plan/head.py), with
+    the CUDA device's own memory where cluster.gpu_mem_gb is not given."""
+    gpu = None
+    if device.type == "cuda":
+        gpu = run.cluster.gpu_mem_gb or torch.cuda.get_device_properties(device).total_memory / 2**30
+    return loss_chunk_tokens(run.model, run.train.micro_batch_size * run.train.seq_len, gpu)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Transformer:
