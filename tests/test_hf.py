@@ -177,6 +177,22 @@ def _export(run_dir: Path, out: Path, *extra: str) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def assert_export_has_our_logits(run_dir: Path, out: Path, data: Path, vocab: int):
+    """``launcher.export`` of the run to ``out`` loads in transformers with our logits at the
+    run's last checkpoint (random tokens below ``vocab``), the data's tokenizer beside it and
+    its EOS in config.json; the model transformers loaded."""
+    _export(run_dir, out)
+    assert (out / "tokenizer.json").read_bytes() == (data / "tokenizer.json").read_bytes()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = theirs(tokens).logits, _ours_from_checkpoint(run_dir)(tokens)
+    assert torch.allclose(got, want, rtol=0, atol=1e-4)
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == json.loads(
+        (data / "manifest.json").read_text())["eos_id"]
+    return theirs
+
+
 # Strategy, shape of the Hugging Face model, extra overrides.
 # ZeRO-3 takes Qwen2 (tied as Qwen2.5's small models are, with q/k/v biases): a tied model
 # starts partitioned too (train/strategies/deepspeed.py); FSDP takes Qwen3 (q/k norms, wide heads).

@@ -11,11 +11,10 @@ import math
 import subprocess
 
 import pytest
-import torch
 
 from conftest import submit_run, wait_until
 from spec.rundir import read_metrics, read_run_json
-from test_hf import _export, _ours_from_checkpoint, _save_hf
+from test_hf import _save_hf, assert_export_has_our_logits
 from test_prepare import DOCS, prepare
 from test_tracking import wandb_segments
 
@@ -66,13 +65,4 @@ def test_hugging_face_model_fine_tuned_on_text_across_a_preemption(tmp_path, slu
     logged = [step for _, steps in segments for step in steps]
     assert logged == list(range(1, 17)), segments  # each step once, in order, across the segments
 
-    out = tmp_path / "export"
-    _export(run_dir, out)
-    assert (out / "tokenizer.json").read_bytes() == (data / "tokenizer.json").read_bytes()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want, got = theirs(tokens).logits, _ours_from_checkpoint(run_dir)(tokens)
-    assert torch.allclose(got, want, rtol=0, atol=1e-4)
-    assert json.loads((out / "config.json").read_text())["eos_token_id"] == json.loads(
-        (data / "manifest.json").read_text())["eos_id"]
+    assert_export_has_our_logits(run_dir, tmp_path / "export", data, 300)
