@@ -28,6 +28,18 @@ from spec.user_env import ACCELERATE_DS_CONFIG, accelerate_ds_config
 _FUNCTION = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*):([A-Za-z_][A-Za-z0-9_]*)$")
 
 
+def _no_trainer_schedule(cfg: RunConfig) -> None:
+    """``train.epochs`` and ``optim.warmup_ratio`` set the built-in trainer's schedule
+    (spec/schedule.py); a script's own loop never sees them: refused, not ignored. (A
+    function entry point gets the config and may read them.)"""
+    given = [f"train.epochs={cfg.train.epochs:g}"] if cfg.train.epochs > 0 else []
+    given += [f"optim.warmup_ratio={cfg.optim.warmup_ratio:g}"] if cfg.optim.warmup_ratio else []
+    if given:
+        raise ConfigError(f"{given[0]}: sets the built-in trainer's schedule, which the script entrypoint="
+                          f"{cfg.entrypoint} does not run; pass your script its epochs and warm-up in "
+                          f"entrypoint_args=[...] and drop {given[0].split('=')[0]}")
+
+
 def resolve(cfg: RunConfig, cwd: Optional[Path] = None,
             cache: Optional[Dict[str, Dict[str, Any]]] = None) -> Optional[Dict[str, Any]]:
     """The entry point of ``cfg`` as entrypoint.json records it (None: the built-in
@@ -46,6 +58,7 @@ def resolve(cfg: RunConfig, cwd: Optional[Path] = None,
                               f"({cfg.entrypoint}) gets the config, not arguments; put its settings under "
                               "+user.NAME=VALUE")
         return _function(cfg.entrypoint, match.group(1), match.group(2), cwd, cache)
+    _no_trainer_schedule(cfg)
     info = _script(cfg.entrypoint, cwd, cache)
     cfg.entrypoint = info["path"]
     return info

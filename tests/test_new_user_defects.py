@@ -182,3 +182,18 @@ def test_makefile_counts_the_suites_pytest_processes():
     comment = " ".join(line.lstrip("# ") for line in (REPO / "Makefile").read_text().splitlines()
                        if line.startswith("## "))
     assert f"{words[runs]} pytest processes" in comment, runs
+
+
+# --- the built-in trainer's schedule is refused for a script, not ignored -------------------
+
+@pytest.mark.parametrize("field", ["train.epochs=2", "optim.warmup_ratio=0.1"])
+def test_a_scripts_run_refuses_the_trainers_schedule_fields(tmp_path, field):
+    """A script given by entrypoint= runs its own loop: train.epochs and optim.warmup_ratio
+    would do nothing there, so the launch says so in one line and leaves nothing behind."""
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    proc = launcher([f"entrypoint={script}", field, *TINY], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith(f"error: {field}") and "entrypoint_args" in line, line
+    assert _left(tmp_path) == ["train.py"]
