@@ -110,15 +110,14 @@ class PageRun:
 
     # ---- placeholders -------------------------------------------------------------
     def substitute(self, line: str, real_run: bool) -> str:
+        """``line`` with its placeholders replaced, in one pass (longest first), by their
+        stand-ins' paths shell-quoted: the line runs in bash or is split by shlex, and a
+        checkout's path may hold a space (tests/fixtures, conf/experiment)."""
         run = (self.last_real if real_run else self.last_launch or self.last_real) or self.sweep / "0"
-        for text, key in sorted(PLACEHOLDERS.items(), key=lambda kv: -len(kv[0])):
-            if text in line:
-                line = line.replace(text, str(self.paths[key]))
-        for text in ("runs/multirun/<sweep>", "SWEEP_DIR"):
-            line = line.replace(text, str(self.sweep))
-        for text in ("runs/<run>", "RUN_DIR"):
-            line = line.replace(text, str(run))
-        return line
+        values = {text: self.paths[key] for text, key in PLACEHOLDERS.items() if text in line}
+        values.update({"runs/multirun/<sweep>": self.sweep, "SWEEP_DIR": self.sweep, "runs/<run>": run, "RUN_DIR": run})
+        pattern = "|".join(re.escape(text) for text in sorted(values, key=len, reverse=True))
+        return re.sub(pattern, lambda m: shlex.quote(str(values[m.group(0)])), line)
 
     # ---- one command --------------------------------------------------------------
     def run(self, doc_line: str) -> Optional[subprocess.CompletedProcess]:
@@ -163,7 +162,7 @@ class PageRun:
         line = self.substitute(doc_line, real_run=False)
         clusters = re.findall(r"\+cluster=(\S+)", line)
         dry = "launcher.dry_run=true" in line or any(c != "local" for c in clusters)
-        extra = [f"launcher.root={self.work / 'runs'}"]
+        extra = [shlex.quote(f"launcher.root={self.work / 'runs'}")]
         if dry and "launcher.dry_run=true" not in line:
             extra.append("launcher.dry_run=true")
         if not dry:
