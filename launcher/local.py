@@ -17,10 +17,11 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import List
 
-from slurm.env import LOCAL_FORK_ENV
+from slurm.env import LOCAL_FORK_ENV, LOCAL_LAUNCH_ENV
 from spec.config import RunConfig
 from spec.identity import TaskIdentity
 from spec.layout import Layout
@@ -61,6 +62,7 @@ def run_local(cfg: RunConfig, layout: Layout, run_dir: Path) -> int:
     ranks = [TaskIdentity.placed(layout, rank, "127.0.0.1", port).torchrun_vars() for rank in range(layout.world_size)]
     env = dict(os.environ, **cfg.cluster.env)
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    env[LOCAL_LAUNCH_ENV] = uuid.uuid4().hex  # this launch's: a late rank of a user's code knows its end
     fork = hasattr(os, "fork") and sys.platform == "linux" and len(ranks) > 1
     if fork:
         env[LOCAL_FORK_ENV] = json.dumps(ranks[1:])

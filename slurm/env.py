@@ -120,6 +120,10 @@ def slurm_job_id(env: Mapping[str, str] | None = None) -> Optional[str]:
 # Set by the local launcher on rank 0: the other local ranks' torchrun variables (JSON),
 # which rank 0 forks after its imports (train/harness/forked.py).
 LOCAL_FORK_ENV = "STO_LOCAL_FORK"
+# Set by the local launcher for every rank: a token of this launch, which rank 0 of a user's
+# code records in run.json (``local_launch``), so that a rank starting after rank 0 ended
+# the run knows the end is this launch's (train/harness/user.py: job_id is "local" for all).
+LOCAL_LAUNCH_ENV = "STO_LOCAL_LAUNCH"
 
 
 def task_identity(env: Mapping[str, str] | None = None) -> TaskIdentity:

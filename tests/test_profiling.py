@@ -10,12 +10,15 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import shutil
 import threading
 from pathlib import Path
 
 import pytest
 
+import warm
 from conftest import launcher, run_dir_of, wait_until
+from slurm.env import LOCAL_LAUNCH_ENV
 from spec.config import ProfileConfig, RunConfig
 from spec.rundir import PROFILE, PROFILE_NOW, read_metrics, read_run_json
 from spec.validate import validate
@@ -98,12 +101,28 @@ def test_an_oom_while_building_is_dumped_too(tmp_path):
 
 
 def test_a_users_loop_is_profiled_on_the_ranks_asked(tmp_path):
+    """Also when rank 1 reads run.json only after rank 0 ended the run (the script has no
+    collectives: under load rank 0 can finish first, and rank 1 said "nothing to do" and
+    wrote no trace): the local launch's token in run.json tells it the end is its own
+    launch's. Here rank 1 of the same launch runs again after the run completed."""
     proc = launcher([f"entrypoint={FIXTURES / 'profiled.py'}", "entrypoint_args=[4]", "cluster.gpus_per_node=2",
                      "profile.steps=[2,3]", "profile.ranks=[1]"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    folder = run_dir_of(proc.stdout) / PROFILE / "step_2"
+    run_dir = run_dir_of(proc.stdout)
+    folder = run_dir / PROFILE / "step_2"
     assert sorted(p.name for p in folder.iterdir()) == ["rank1.json.gz"]
     assert steps_in(folder / "rank1.json.gz") == [2, 3]
+    info = read_run_json(run_dir)
+    assert info["status"] == "completed" and info["segments"] == 1 and info["local_launch"], info
+    shutil.rmtree(folder)
+    late = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", LOCAL_LAUNCH_ENV: info["local_launch"]}
+    proc = warm.run_module("train", [str(run_dir)], cwd=tmp_path, env=late)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert steps_in(folder / "rank1.json.gz") == [2, 3]
+    log = (run_dir / "logs" / "rank1.log").read_text()
+    assert log.count("segment 1: script") == 2 and "nothing to do" not in log, log  # rank 0's count, both times
+    assert read_run_json(run_dir)["status"] == "completed"
 
 
 def test_windows_ranks_and_requests_without_a_profiler(tmp_path):

@@ -449,3 +449,24 @@ def test_a_rank_slower_than_rank_0_still_runs_its_share():
     assert not _ended_by_this_job(done, SimpleNamespace(rank=2, job_id="42", restart_count=1))  # requeued since
     assert not _ended_by_this_job(done, SimpleNamespace(rank=2, job_id="43", restart_count=0))
     assert not _ended_by_this_job(dict(done, job_id="local"), SimpleNamespace(rank=2, job_id="local", restart_count=0))
+
+
+def test_a_late_rank_of_a_local_launch_knows_its_launch_ended_the_run(monkeypatch):
+    """Every local launch's job id is "local": the local launcher's token (STO_LOCAL_LAUNCH),
+    which rank 0 records in run.json, tells a late rank that the end is its own launch's
+    (under load rank 1 of a 2-rank script without collectives said "nothing to do"). An
+    earlier launch's end, or a rank without the token, still goes by the status alone."""
+    from types import SimpleNamespace
+
+    from slurm.env import LOCAL_LAUNCH_ENV
+    from train.harness.user import _ended_by_this_job
+
+    done = {"status": "completed", "job_id": "local", "restart_count": 0, "segments": 1, "local_launch": "abc"}
+    late = SimpleNamespace(rank=1, job_id="local", restart_count=0)
+    monkeypatch.setenv(LOCAL_LAUNCH_ENV, "abc")
+    assert _ended_by_this_job(done, late) and _ended_by_this_job(done, late, started=True)
+    assert _ended_by_this_job(dict(done, status="running"), late, started=True)
+    assert not _ended_by_this_job(dict(done, local_launch="xyz"), late)  # an earlier launch's end
+    assert not _ended_by_this_job(done, SimpleNamespace(rank=0, job_id="local", restart_count=0))
+    monkeypatch.delenv(LOCAL_LAUNCH_ENV)
+    assert not _ended_by_this_job(done, late)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from slurm.env import expand_hostlist, task_identity
+from slurm.env import LOCAL_LAUNCH_ENV, expand_hostlist, task_identity
 from slurm.states import final, requeued
 from spec.config import RunConfig, to_run_config
 from spec.device import DeviceError
@@ -148,7 +148,7 @@ def _prepare(run_dir: Path) -> Optional[_Task]:
                         world_size=te.world_size, nodes=cfg.cluster.nodes, segments=segment,
                         strategy=cfg.strategy.name, launcher=te.launcher, entrypoint=cfg.entrypoint,
                         started_at=time.time(), restart_count=te.restart_count, **SEGMENT_FAILURE,
-                        code_changed=changed)
+                        code_changed=changed, local_launch=os.environ.get(LOCAL_LAUNCH_ENV))
         restart.note_start(run_dir, te)
     log.info(f"segment {segment}: {entry['kind']} {cfg.entrypoint}, rank {te.rank} of {te.world_size} ({te.launcher})")
     if changed:
@@ -158,12 +158,17 @@ def _prepare(run_dir: Path) -> Optional[_Task]:
 
 def _ended_by_this_job(info: Dict[str, Any], te, started: bool = False) -> bool:
     """A rank other than 0 that finds the run already ended by this very job (the same Slurm
-    job and restart, or torchrun run): rank 0 finished first (a script without collectives
-    can, while this rank was still starting) and this rank still runs its share. Rank 0, or
-    a job id that names no single job ("local", "single"), goes by the status alone.
+    job and restart, torchrun run, or local launch: the token rank 0 recorded): rank 0
+    finished first (a script without collectives can, while this rank was still starting)
+    and this rank still runs its share. Rank 0, or a job id that names no single job
+    ("local" without the local launcher's token, "single"), goes by the status alone.
     ``started``: rank 0 of this job has marked it running (or ended it) already."""
-    same = te.rank != 0 and te.job_id not in ("local", "single") and info.get("job_id") == te.job_id \
-        and int(info.get("restart_count") or 0) == te.restart_count
+    launch = os.environ.get(LOCAL_LAUNCH_ENV)
+    if te.job_id == "local" and launch:
+        same = te.rank != 0 and info.get("local_launch") == launch
+    else:
+        same = te.rank != 0 and te.job_id not in ("local", "single") and info.get("job_id") == te.job_id \
+            and int(info.get("restart_count") or 0) == te.restart_count
     if not started:
         return same
     status = status_of(info)
