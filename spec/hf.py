@@ -188,9 +188,11 @@ def apply_hf_model(cfg: RunConfig, overrides: Sequence[str] = ()) -> None:
     explicit = _explicit(overrides)
     for key, value in fields.items():
         given = explicit.get(key)
-        if given is not None and key != "rope_scaling" and str(value) != given and _num(given) != value:
+        # null head_dim: config.json's heads are hidden_size / num_attention_heads wide
+        theirs = fields["dim"] // fields["n_heads"] if key == "head_dim" and value is None else value
+        if given is not None and key != "rope_scaling" and str(theirs) != given and _num(given) != theirs:
             raise ConfigError(f"model.{key}={given} disagrees with model.hf_path's config.json "
-                              f"({_theirs(key)}={value}); drop the override or use another hf_path")
+                              f"({_theirs(key)}={theirs}); drop the override or use another hf_path")
         setattr(m, key, value)
     m.hf_path = str(path.resolve())
     if "name" not in explicit:

@@ -197,3 +197,34 @@ def test_a_scripts_run_refuses_the_trainers_schedule_fields(tmp_path, field):
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert line.startswith(f"error: {field}") and "entrypoint_args" in line, line
     assert _left(tmp_path) == ["train.py"]
+
+
+# --- model.head_dim given as the checkpoint's implied width agrees with it ----------------
+
+def test_head_dim_equal_to_the_checkpoints_implied_width_is_accepted(tmp_path):
+    """config.json without head_dim has heads hidden_size / num_attention_heads wide: a
+    model.head_dim of that width agrees with it; another width is refused naming the width
+    the checkpoint implies (it said head_dim=None, which misled)."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from spec.config import ModelConfig, RunConfig
+    from spec.hf import apply_hf_model, expected_shapes, hf_config
+
+    m = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_hidden_dim=96, max_seq_len=64)
+    config = hf_config(m)
+    config.pop("head_dim", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({k: np.zeros(v, np.float32) for k, v in expected_shapes(m).items()}, str(tmp_path / "model.safetensors"))
+
+    def apply(head_dim: int) -> RunConfig:
+        cfg = RunConfig()
+        cfg.model.hf_path, cfg.model.head_dim = str(tmp_path), head_dim
+        apply_hf_model(cfg, [f"model.head_dim={head_dim}"])
+        return cfg
+
+    assert apply(16).model.n_heads == 4
+    with pytest.raises(ConfigError, match=r"^model.head_dim=32 disagrees .*\(head_dim=16\)"):
+        apply(32)
