@@ -54,6 +54,16 @@ def check_data(cfg: RunConfig) -> None:
     for name in names:
         if not (Path(d.path) / name).is_file():
             raise ConfigError(f"data.path={d.path}: {name} is missing; prepare the data again")
+    # Evaluation needs a target in the validation split: a window and its next token, or a
+    # conversation token that carries loss (truncation by --max-length can leave none).
+    val = info.get("splits", {}).get("val", {})
+    held = val.get("loss_tokens" if d.source == "chat" else "tokens")
+    needed = 1 if d.source == "chat" else cfg.train.seq_len + 1
+    if cfg.train.eval_every > 0 and held is not None and held < needed:
+        what = "tokens carrying loss (assistant turns) in its validation conversations" if d.source == "chat" \
+            else f"validation tokens, fewer than train.seq_len+1={needed}"
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every}: data.path={d.path} holds {held} {what}; "
+                          "prepare it again with a larger --val-fraction (or --max-length), or set train.eval_every=0")
     if d.source == "chat" and int(info["longest"]) > cfg.train.seq_len + 1:
         raise ConfigError(f"data.path={d.path}: its longest conversation has {info['longest']} tokens, more than "
                           f"train.seq_len+1={cfg.train.seq_len + 1}; set train.seq_len>={int(info['longest']) - 1} "

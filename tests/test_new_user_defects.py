@@ -228,3 +228,25 @@ def test_head_dim_equal_to_the_checkpoints_implied_width_is_accepted(tmp_path):
     assert apply(16).model.n_heads == 4
     with pytest.raises(ConfigError, match=r"^model.head_dim=32 disagrees .*\(head_dim=16\)"):
         apply(32)
+
+
+# --- evaluation needs validation data, checked at launch -----------------------------------
+
+def test_evaluation_without_a_validation_target_is_refused_at_launch(tmp_path):
+    """Chat data whose validation conversations lost every assistant token to --max-length
+    has nothing to evaluate (the loss is divided by its count of targets: 0): with
+    train.eval_every > 0 the launch says so in one line; with eval_every=0 it passes."""
+    import json
+
+    from spec.data import check_data
+    from test_chat_data import run_prepare
+
+    data, manifest = run_prepare(tmp_path, "--max-length", "65")
+    manifest["splits"]["val"]["loss_tokens"] = 0  # as a short --max-length leaves it
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    cfg = compose_run(["data.source=chat", f"data.path={data}", "model.vocab_size=512", "train.eval_every=5"])
+    with pytest.raises(ConfigError, match=r"^train.eval_every=5: data.path=.* holds 0 tokens carrying loss .*"
+                                          r"--val-fraction .*, or set train.eval_every=0$"):
+        check_data(cfg)
+    cfg.train.eval_every = 0
+    check_data(cfg)
