@@ -47,6 +47,7 @@ CASES = [
     ("tp", (1, 4), []),  # 2 replicas x tp 2
     ("tp", (1, 4), ["strategy.tensor_parallel=4"]),
     ("tp", (1, 2), ["strategy.data_parallel=none"]),  # TP alone, no data-parallel wrapper
+    ("tp", (1, 2), ["model.qkv_bias=true"]),  # Qwen2's q/k/v biases, split with their columns
     ("fsdp_tp", (1, 2), ["strategy.activation_checkpointing=selective"]),  # tp 2, one shard
     ("fsdp_tp", (1, 4), ["strategy.activation_checkpointing=full"]),  # 2 shards x tp 2; TP, then AC, then FSDP
     # Pipeline parallel: 2 stages of the 2-layer tiny model; 4-stage and interleaved cases
