@@ -162,6 +162,7 @@ def copy_tree(tree: Tree, cache: Path) -> Tuple[Path, str]:
     changed since the listing."""
     key = digest(tree)
     if (cache / key[:KEY_CHARS]).is_dir():
+        os.utime(cache / key[:KEY_CHARS])  # in use again: not stale for prune_copies
         return cache / key[:KEY_CHARS], key
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=cache))
@@ -185,6 +186,35 @@ def copy_tree(tree: Tree, cache: Path) -> Tuple[Path, str]:
         if not final.is_dir():
             raise
     return final, key
+
+
+#: A copy no run directory names is removed once it has not been made or reused for this long
+#: (a launch writes its run.json after freezing: the age covers one in flight beside this one).
+STALE_S = 3600.0
+
+
+def prune_copies(cache: Path, referenced: Sequence[Path], stale_s: float = STALE_S) -> List[Path]:
+    """Remove the copies in ``cache`` that ``referenced`` does not name and nobody made or
+    reused for ``stale_s`` seconds (their runs were deleted, or resumed with fresh code);
+    partial copies left by a killed launch too. The removed paths."""
+    import time
+
+    keep, now, gone = {Path(p).name for p in referenced}, time.time(), []
+    for copy in sorted(cache.iterdir()) if cache.is_dir() else []:
+        try:
+            old = now - copy.stat().st_mtime >= stale_s
+        except FileNotFoundError:
+            continue
+        if copy.is_dir() and not copy.is_symlink() and copy.name not in keep and old:
+            for sub, _, _ in os.walk(copy):  # read-only files sit in writable directories; make sure
+                try:
+                    os.chmod(sub, 0o755)
+                except OSError:  # another user's copy: rmtree leaves what it cannot remove
+                    pass
+            shutil.rmtree(copy, ignore_errors=True)
+            if not copy.exists():
+                gone.append(copy)
+    return gone
 
 
 def installed(path: Path) -> bool:

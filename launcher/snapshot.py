@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from launcher import entrypoint
-from launcher.codetree import KEY_CHARS, Tree, copy_tree, git_top, installed, list_tree, mb, within
+from launcher.codetree import KEY_CHARS, Tree, copy_tree, git_top, installed, list_tree, mb, prune_copies, within
 from spec.config import ConfigError, RunConfig
 from spec.rundir import ENTRYPOINT, read_run_json
 
@@ -119,9 +119,20 @@ def freeze(plan: Plan, memo: Optional[Dict[Plan, Frozen]] = None) -> Frozen:
         return memo[plan]
     made = [copy_tree(t, plan.cache) for t in plan.trees]
     frozen = _frozen(plan, [c for c, _ in made], [k for _, k in made])
+    prune_copies(plan.cache, [c for c, _ in made] + referenced_copies(plan.cache))
     if memo is not None:
         memo[plan] = frozen
     return frozen
+
+
+def referenced_copies(cache: Path) -> List[Path]:
+    """The copies in ``cache`` that the run directories beside it (a runs root's runs, a
+    sweep's points) name in run.json's ``code_snapshot``."""
+    named = []
+    for run_json in cache.parent.glob("*/run.json"):
+        trees = (read_run_json(run_json.parent).get("code_snapshot") or {}).get("trees") or []
+        named += [Path(t["copy"]) for t in trees if t.get("copy")]
+    return named
 
 
 def _outermost(paths: Sequence[Path]) -> List[Path]:

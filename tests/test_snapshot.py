@@ -91,6 +91,31 @@ def test_copies_are_content_addressed(tmp_path):
     assert sorted(p.name for p in cache.iterdir()) == sorted([first.name, edited.name])  # no partial copy left
 
 
+
+def test_copies_no_run_names_go_once_stale_and_reuse_keeps_one(tmp_path):
+    """A launch prunes its cache: a copy that no run directory beside it names in run.json
+    (its run deleted, or resumed with fresh code) and that nobody made or reused for an
+    hour is removed; named, recent and reused copies stay."""
+    import time
+
+    repo = git_repo(tmp_path / "repo", {"m.py": "X = 1\n"})
+    cache = tmp_path / "runs" / ".code"
+
+    def copy(text: str) -> Path:
+        (repo / "m.py").write_text(text)
+        return codetree.copy_tree(codetree.list_tree(repo, "git"), cache)[0]
+
+    orphan, named, reused, fresh = copy("X = 1\n"), copy("X = 2\n"), copy("X = 3\n"), copy("X = 4\n")
+    (tmp_path / "runs" / "r1").mkdir()
+    update_run_json(tmp_path / "runs" / "r1", code_snapshot={"frozen": True, "trees": [{"copy": str(named)}]})
+    past = time.time() - 2 * codetree.STALE_S
+    for c in (orphan, named, reused):
+        os.utime(c, (past, past))
+    assert copy("X = 3\n") == reused  # made again by a launch: its age starts over
+    assert snapshot.referenced_copies(cache) == [named]
+    assert codetree.prune_copies(cache, snapshot.referenced_copies(cache)) == [orphan]
+    assert sorted(p.name for p in cache.iterdir()) == sorted(c.name for c in (named, reused, fresh))
+
 def test_a_sweeps_points_share_one_copy_of_the_project(tmp_path):
     cfg = compose_run(SLURM)
     sweep = tmp_path / "multirun" / "s"
