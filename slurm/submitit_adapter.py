@@ -117,7 +117,10 @@ sto_failed() {{
   echo "job $sto_job: scontrol $2 failed: $3" >&2
   {python} -m slurm.request failed "$@" || echo "job $sto_job: not recorded in run.json" >&2
 }}
-sto_kill_srun() {{ pkill -KILL -P "$1" 2>/dev/null; kill -KILL "$1" 2>/dev/null; }}  # the step's srun, $!
+sto_kill_srun() {{  # the step's srun, $! (a subshell: srun is its child); /proc first, pkill if need be
+  local kids; kids=$(cat /proc/"$1"/task/*/children 2>/dev/null) || kids=$(pgrep -P "$1" 2>/dev/null)
+  kill -KILL $kids "$1" 2>/dev/null
+}}
 sto_request() {{
   local taken="$1/.{request}.taken" action nodes reason out
   [ -e "$1/{request}" ] && mv -f "$1/{request}" "$taken" 2>/dev/null || return 1
