@@ -224,8 +224,10 @@ def speed(row: Row) -> str:
     mfu = median(r["mfu"] for r in steady if r.get("mfu") is not None) if steady[0].get("mfu") is not None else None
     mem = max(r.get("peak_mem_bytes") or 0 for r in steady) / 2**30
     mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+    parts = [f"{name[:-2]} {1000 * median(r[name]['max'] for r in steady):.1f}"
+             for name in ("data_s", "fwd_bwd_s", "optim_s") if all(isinstance(r.get(name), dict) for r in steady)]
     return f"{tps:,.0f} tokens/s, MFU {mfu_text}, step {median(r['step_time_s'] for r in steady):.3f} s, " \
-           f"peak {mem:.1f} GiB ({len(steady)} steps)"
+           f"peak {mem:.1f} GiB ({len(steady)} steps)" + (f"; ms: {', '.join(parts)}" if parts else "")
 
 
 def accelerate_engine(engine: str) -> Callable[[Row, subprocess.CompletedProcess], str]:

@@ -69,6 +69,12 @@ def test_speed_row_reports_the_steady_steps(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert speed(Row("speed/x", [], exited_ok, run_dir=tmp_path)) == \
         "1,008 tokens/s, MFU 30.0%, step 0.500 s, peak 2.0 GiB (5 steps)"
+    for r in rows:  # the step's parts (train/steptimes.py), the slowest rank's, when the rows have them
+        r.update({name: {"min": 0.0, "median": 0.0, "max": ms / 1000, "max_rank": 0}
+                  for name, ms in (("data_s", 2), ("fwd_bwd_s", 400), ("optim_s", 90))})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert speed(Row("speed/x", [], exited_ok, run_dir=tmp_path)).endswith(
+        "(5 steps); ms: data 2.0, fwd_bwd 400.0, optim 90.0")
 
 
 def test_a_resume_row_brings_the_engine_row_it_is_compared_with(tmp_path):
