@@ -9,6 +9,7 @@ current CUDA device, or the task was refused at start (``no_cuda`` / ``gpu_bindi
 does for the built-in trainer, minus what only a trainer can: run.json (``running``, then
 ``completed`` / ``failed`` by the exit status or exception, or a counted requeue), the
 heartbeats (no hang check: the harness cannot see the code's steps), ``logs/rank{R}.log``,
+metrics.jsonl rows from a Hugging Face Trainer's logs (:mod:`train.harness.hf_trainer`),
 and preemption:
 
 - code that calls :func:`train.session.should_stop` handles the signal itself: the flag
@@ -48,7 +49,7 @@ from spec.user_env import task_environment
 from train import session
 from train.harness.groups import keep_destroyed_groups
 from train.harness.outcome import after_interruption, record_failure, refuse_start
-from train.harness import restart
+from train.harness import hf_trainer, restart
 from train.harness.preempt import PreemptionFlag, in_slurm_job
 from train.harness.restart import Restart
 from train.harness.run import rank_logger
@@ -80,6 +81,7 @@ def _code_changed(entry: Dict[str, Any]) -> bool:
 
 def _call(entry: Dict[str, Any], cfg: RunConfig, run_dir: Path) -> int:
     """Run the code; its exit status (0 when a function returns)."""
+    hf_trainer.install()  # a transformers/TRL Trainer's logs become metrics.jsonl rows
     if entry["sys_path"] not in sys.path:
         sys.path.insert(0, entry["sys_path"])
     try:
