@@ -23,6 +23,10 @@ slot still leaves what it did. Rows (one GPU is enough):
 - ``profile/memory``: ``profile.steps=[2,3] profile.memory=true`` and an injected
   out-of-memory error at step 4: the trace holds steps 2-3 and the GPU's kernels, the
   window's allocator snapshot and ``oom_rank0.pickle`` are written (docs/observing.md);
+- ``train/packed``: chat data packed (``data.packing=true``: flex attention, compiled
+  blocks, FSDP, full activation checkpointing) completes and its loss falls;
+  ``packed/equal``: per document the packed loss and gradients equal the unpacked ones,
+  no attention across documents (bench/gpu_check_packed.py);
 - ``health``: this machine's nvidia-smi outputs through train/harness/health.py;
 - ``doctor``: ``python -m launcher.doctor`` on this machine;
 - ``speed/S`` (ddp, ddp+compile, fsdp+compile, zero2): Llama 3.2 1B, bf16, seq 2048, micro-batch
@@ -198,6 +202,13 @@ def rows(scratch: Path) -> List[Row]:
         out.append(Row(f"accelerate/{strategy}", launcher_argv(
             *GPU, f"entrypoint={REPO / 'examples/accelerate_train.py'}", f"+strategy={strategy}",
             "entrypoint_args=[--steps,3]", f"launcher.run_dir={run_dir}"), accelerate_engine(engine), run_dir=run_dir))
+    chat, run_dir, packed = scratch / "packed_chat", scratch / "packed", str(REPO / "bench/gpu_check_packed.py")
+    make_chat = Row("train/packed:data", [sys.executable, packed, "packed_data", str(chat)], exited_ok, launch=False)
+    out.append(Row("train/packed", launcher_argv(
+        *GPU, "+strategy=fsdp", "strategy.compile=true", "strategy.activation_checkpointing=full", "data.source=chat",
+        f"data.path={chat}", "data.packing=true", "model.vocab_size=384", *SHORT[:1], "train.steps=8",
+        f"launcher.run_dir={run_dir}"), trained, before=make_chat, run_dir=run_dir))
+    out.append(Row("packed/equal", [sys.executable, packed, "packed_equal"], exited_ok, launch=False))
     run_dir = scratch / "profile_memory"  # the profiler's CUDA side: kernels in the trace, the allocator's snapshots
     out.append(Row("profile/memory", launcher_argv(*GPU, "+strategy=ddp", *SHORT, "train.steps=4", "profile.steps=[2,3]",
                                                    "profile.memory=true", "fault.oom_at_step=4",

@@ -81,6 +81,12 @@ class DataConfig:
     # per sample, padded to train.seq_len + 1, loss only on its mask's tokens (docs/finetune.md).
     source: str = "markov"
     path: Optional[str] = None
+    # data.source=chat: pack whole conversations into each sequence of train.seq_len (best
+    # fit decreasing, spec/packing.py), positions restarting and attention confined to each
+    # conversation (flex attention, train/packed_attention.py); the training split only.
+    # false (default): one conversation a padded sequence, SDPA as before; what TRL's
+    # SFTConfig and open-r1's distillation recipe (+experiment=r1_distill_sft) do.
+    packing: bool = False
     # Tokens generated for the markov source.
     num_tokens: int = 2_000_000
     # Successors per token in the markov chain: the loss floor is about ln(branching).

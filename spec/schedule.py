@@ -25,6 +25,7 @@ from spec.batch import global_batch
 from spec.config import ConfigError, OptimConfig, RunConfig, TrainConfig
 from spec.data import TRAIN_BIN, read_manifest
 from spec.layout import Layout
+from spec.packing import packed_sequences
 
 DEFAULT_STEPS = TrainConfig().steps
 DEFAULT_WARMUP = OptimConfig().warmup_steps
@@ -80,9 +81,11 @@ def samples_per_epoch(cfg: RunConfig) -> int:
 
     The one place that counts them. Token data: windows of ``train.seq_len`` tokens plus
     the next (ShardedLoader.num_windows). Chat data: one conversation per sample (the
-    manifest's ``splits.train.documents``). Packing several conversations into one
-    sequence changes this count: it plugs in here."""
+    manifest's ``splits.train.documents``); packed (``data.packing``), the sequences of
+    ``train.seq_len`` they fill (spec/packing.py, the loader's own packing)."""
     d = cfg.data
+    if d.source == "chat" and d.packing:
+        return packed_sequences(Path(d.path), cfg.train.seq_len)
     if d.source == "chat":
         return int(read_manifest(Path(d.path))["splits"]["train"]["documents"])
     return max(0, (train_tokens(cfg) - 1) // cfg.train.seq_len)

@@ -11,6 +11,7 @@ from typing import Dict, Tuple
 from spec import ds_config
 from spec.config import ConfigError, RunConfig
 from spec.layout import Layout
+from spec.packing import check_packing
 
 # (engine, data_parallel) -> "module:EngineBuilder class" (train/strategies/base.py).
 BUILDERS: Dict[Tuple[str, str], str] = {
@@ -40,6 +41,7 @@ def check_supported(cfg: RunConfig, layout: Layout) -> None:
     if layout.pp_enabled:
         _check_pp(cfg, layout, key)
     _check_tp(cfg, layout, key)
+    check_packing(cfg, layout)
 
 
 def stages_per_rank(schedule: str) -> int:

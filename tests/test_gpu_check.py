@@ -13,6 +13,7 @@ import warm
 from conftest import REPO
 
 ROWS = {"health", "binding/task", "binding/node", "hf/zero3", "hf/zero3:write", "accelerate/zero2", "profile/memory",
+        "train/packed", "train/packed:data", "packed/equal",
         "accelerate/fsdp", "doctor", "resume/fsdp", "resume/fsdp:crash", "resume/zero2", "resume/zero2:crash",
         *(f"engine/{s}" for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "pp")),
         *(f"speed/{s}" for s in ("ddp", "ddp+compile", "fsdp+compile", "zero2"))}

@@ -41,7 +41,7 @@ def test_every_setting_is_the_recipes():
     assert (o.beta1, o.beta2, o.eps, o.weight_decay) == (0.9, 0.999, 1e-8, 0.0)
     assert RECIPE["bf16"] and RECIPE["torch_dtype"] == "bfloat16" and s.mixed_precision == "bf16"
     assert RECIPE["gradient_checkpointing"] and s.activation_checkpointing == "full"
-    assert RECIPE["packing"] is False and cfg.data.source == "chat"  # one conversation a sequence
+    assert RECIPE["packing"] is cfg.data.packing is False and cfg.data.source == "chat"  # one conversation a sequence
     ds = ACCELERATE["deepspeed_config"]
     assert (s.engine, s.zero_stage, ACCELERATE["distributed_type"]) == ("deepspeed", ds["zero_stage"], "DEEPSPEED")
     assert ds["offload_optimizer_device"] == ds["offload_param_device"] == "none" and not s.offload_optimizer

@@ -53,6 +53,6 @@ def chunked_head_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, c
     return total
 
 
-def counted(batches: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """Targets carrying loss in these micro-batches (not ``IGNORE``)."""
-    return sum(int((targets != IGNORE).sum()) for _, targets in batches)
+def counted(batches: Iterable[Tuple[torch.Tensor, ...]]) -> int:
+    """Targets carrying loss in these micro-batches (not ``IGNORE``): (inputs, targets[, positions])."""
+    return sum(int((batch[1] != IGNORE).sum()) for batch in batches)

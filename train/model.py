@@ -20,6 +20,7 @@ from spec.config import ModelConfig, RopeScaling, RunConfig
 from spec.model_size import count_params, ffn_hidden_dim, head_dim  # noqa: F401  (re-exported)
 from train.initial import fill_initial, local_runs
 from train.loss import chunked_head_loss, loss_chunk_tokens, loss_sum
+from train.packed_attention import Mask, document_attention, document_context
 
 
 class RMSNorm(nn.Module):
@@ -62,12 +63,14 @@ def _llama3_scaled(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate channel i with channel i + head_dim/2 of x (batch, seq, heads, head_dim) by
     position: Hugging Face's layout (``rotate_half``), so its q/k weights load as they are,
-    with no permutation (Meta's checkpoints pair neighbouring channels instead)."""
+    with no permutation (Meta's checkpoints pair neighbouring channels instead). ``table``:
+    (seq, head_dim // 2, 2) by position, or (batch, seq, head_dim // 2, 2) per token
+    (packed sequences: train/packed_attention.py)."""
     seq = x.shape[1]
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
-    cos = table[:seq, None, :, 0]
-    sin = table[:seq, None, :, 1]
+    rows = table[:seq, None] if table.dim() == 3 else table[:, :seq, None]
+    cos, sin = rows[..., 0], rows[..., 1]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
@@ -88,7 +91,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Optional[Mask] = None) -> torch.Tensor:
+        """``mask``: packed sequences' documents (attention stays inside each); None: causal SDPA."""
         bsz, seq, _ = x.shape
         # -1 head counts: under tensor parallel each rank holds a slice of the heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -98,7 +102,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        return self.wo(causal_attention(q, k, v).transpose(1, 2).reshape(bsz, seq, -1))
+        out = causal_attention(q, k, v) if mask is None else document_attention(q, k, v, mask)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
 def fused_gqa(device_type: str, dtype: torch.dtype) -> bool:
@@ -137,8 +142,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg))
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Optional[Mask] = None) -> torch.Tensor:
+        # mask by keyword: tensor parallel's input plan (train/strategies/tp.py) lists (x, rope) only.
+        x = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -201,15 +207,23 @@ class Transformer(nn.Module):
         cfg = self.cfg
         self.rope = rope_tables(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
 
-    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token ids -> logits; a pipeline stage without the embedding takes (and one
         without the head returns) the hidden states instead. With ``targets``: the sum of
         cross-entropy over those not -100 (train/loss.py), the head applied
         ``model.loss_chunk_tokens`` tokens at a time so the whole logits never exist
-        (not under tensor parallel: its vocab-sharded logits take the vocab-parallel loss)."""
+        (not under tensor parallel: its vocab-sharded logits take the vocab-parallel loss).
+        ``positions`` (packed sequences, ``data.packing``): each token's position in its
+        document; attention stays inside documents (train/packed_attention.py)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope)
+        if positions is None:
+            for layer in self.layers.values():
+                h = layer(h, self.rope)
+        else:
+            rope, mask = document_context(self.rope, positions)
+            for layer in self.layers.values():
+                h = layer(h, rope, mask)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h

@@ -178,8 +178,8 @@ def block_bytes(m: ModelConfig, tp: int, e: int, autocast: bool, checkpointed: b
     Tensor parallel (train/strategies/tp.py, sequence parallel on DTensor) divides all by
     tp except the norms' outputs, which are all-gathered for the column-parallel matmuls
     and saved whole (Megatron keeps them sharded and gathers again in backward).
-    In fp32 (e = 4) grouped-query K/V reach the fused kernel expanded to every query head
-    (train/model.py:causal_attention, on CUDA): k and v count 2h, not 2 kv.
+    In fp32 (e = 4) grouped-query K/V reach SDPA expanded to every query head (causal_attention,
+    on CUDA): k and v count 2h, not 2 kv. Packed data's flex attention: alike (train/packed_attention.py).
     """
     h, f = m.dim, ffn_hidden_dim(m)
     if checkpointed:

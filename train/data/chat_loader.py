@@ -8,6 +8,16 @@ tokenizer's pad token, else EOS); the targets are the tokens shifted by one, wit
 (torch's ignore_index) where the token carries no loss (the mask's 0s) and on padding.
 ``step_targets`` is the count of targets not -100 in the step's whole global batch,
 read from the data (every rank computes the same number, no collective).
+
+:class:`PackedChatLoader` (``data.packing=true``, the training split): a sample is a
+sequence of ``seq_len`` positions packed with whole conversations (spec/packing.py says
+which), each taking the positions it has unpacked (its tokens but the last as inputs,
+but the first as targets), padding after the last; a third column gives each position
+its place in its conversation (0 where one begins; the padding counts as one more), from
+which the model takes RoPE's positions and keeps attention inside each conversation
+(train/packed_attention.py). No target crosses conversations: a conversation's last
+input predicts its own last token. The packed sequences are an epoch's samples, shuffled
+and resumed as conversations are unpacked: the same loss per conversation, fewer pads.
 """
 from __future__ import annotations
 
@@ -20,6 +30,7 @@ import torch
 
 from spec.config import RunConfig
 from spec.data import MANIFEST, chat_files
+from spec.packing import costs, pack
 from train.data.loader import ShardedLoader, file_dtype, token_file, val_file
 
 IGNORE = -100  # torch.nn.functional.cross_entropy's default ignore_index
@@ -66,11 +77,44 @@ class ChatLoader(ShardedLoader):
         return int(self.targets_of[self.stream(start, self.global_batch)].sum())
 
 
+class PackedChatLoader(ChatLoader):
+    unit = "packed sequences"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.targets_of = np.add.reduceat(self.targets_of[self.order], self.starts[:-1])
+
+    def _num_samples(self) -> int:
+        sizes = costs(self.offsets.tolist(), self.seq_len)
+        order, starts = pack(sizes, self.seq_len)
+        self.order, self.starts = np.asarray(order, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        return len(self.starts) - 1
+
+    def _rows(self, ids: np.ndarray) -> tuple[torch.Tensor, ...]:
+        width = self.seq_len
+        inputs = np.full((len(ids), width), self.pad_id, dtype=np.int64)
+        targets = np.full((len(ids), width), IGNORE, dtype=np.int64)
+        positions = np.zeros((len(ids), width), dtype=np.int64)
+        for row, p in enumerate(ids):
+            at = 0
+            for i in self.order[self.starts[p]:self.starts[p + 1]]:
+                n, start = int(self.sizes[i]), int(self.offsets[i])
+                tokens = self.tokens[start:start + n + 1].astype(np.int64)
+                inputs[row, at:at + n] = tokens[:-1]
+                targets[row, at:at + n] = np.where(self.mask[start + 1:start + n + 1] != 0, tokens[1:], IGNORE)
+                positions[row, at:at + n] = np.arange(n)
+                at += n
+            positions[row, at:] = np.arange(width - at)
+        return torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(positions)
+
+
 def build_loader(cfg: RunConfig, dp_rank: int, dp_size: int, split: str = "train") -> ShardedLoader:
     """The loader of ``split`` (train | val) for data-parallel rank ``dp_rank``."""
     t, d, vocab = cfg.train, cfg.data, cfg.model.vocab_size
-    if d.source == "chat":
-        return ChatLoader(Path(d.path), split, t.seq_len, t.micro_batch_size, t.grad_accum, dp_rank, dp_size, d.seed)
+    if d.source == "chat":  # packed: the training split (the validation loss is the same unpacked)
+        kind = PackedChatLoader if d.packing and split == "train" else ChatLoader
+        return kind(Path(d.path), split, t.seq_len, t.micro_batch_size, t.grad_accum, dp_rank, dp_size, d.seed)
     path: Optional[Path] = token_file(d, vocab) if split == "train" else val_file(d, vocab)
     if path is None:
         raise ValueError(f"data.source={d.source} has no {split} split")

@@ -159,7 +159,7 @@ class ShardedLoader:
         """Samples in an epoch: windows of seq_len tokens plus the next."""
         return (len(self.tokens) - 1) // self.seq_len
 
-    def _rows(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, ids: np.ndarray) -> tuple[torch.Tensor, ...]:
         """(inputs, targets) of samples ``ids``: [n, seq_len] each."""
         rows = np.stack([self.tokens[i * self.seq_len:i * self.seq_len + self.seq_len + 1] for i in ids])
         data = torch.from_numpy(rows.astype(np.int64))
@@ -199,11 +199,11 @@ class ShardedLoader:
         self.step_targets = self._count_targets(self.state.samples)
         self.state.step += 1
         self.state.samples += self.global_batch
-        inputs, targets = self._rows(ids)
+        columns = self._rows(ids)  # (inputs, targets), packed chat data: and positions
         micro = []
         for k in range(self.grad_accum):
             part = slice(k * self.micro_batch, (k + 1) * self.micro_batch)
-            micro.append((inputs[part].contiguous(), targets[part].contiguous()))
+            micro.append(tuple(c[part].contiguous() for c in columns))
         return micro
 
     def state_dict(self) -> dict:

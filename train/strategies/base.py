@@ -35,7 +35,8 @@ from train.metrics import peak_memory_bytes, peak_reserved_bytes
 from train import steptimes
 from train.loss import IGNORE, counted, loss_sum
 
-Batch = Tuple[torch.Tensor, torch.Tensor]
+#: (inputs, targets), or (inputs, targets, positions) for packed sequences (data.packing).
+Batch = Tuple[torch.Tensor, ...]
 #: Steps 1-3 of parallelisation on one module (the whole model or a pipeline stage).
 Prepare = Callable[[nn.Module], None]
 
@@ -234,15 +235,14 @@ class TorchEngine(DCPState):
         norm = divisor(batches, share)
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(batches):
+        for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if (last or self._no_sync is None) else self._no_sync()
             if self.accumulating is not None:
                 self.accumulating(last)
             with sync:
                 with self._autocast():  # the module computes the loss (chunked head: train/loss.py)
-                    loss = self.module(inputs.to(self.device, non_blocking=True),
-                                       targets.to(self.device, non_blocking=True)) / norm
+                    loss = self.module(*on_device(batch, self.device)) / norm
                 loss.backward()
             total += loss.detach()
         steptimes.mark_optimizer()
@@ -265,10 +265,15 @@ def forward_loss(forward: Callable[..., torch.Tensor], micro_batches: Iterable[B
     norm = divisor(batches, share)
     total = torch.zeros((), device=device)
     with torch.no_grad():
-        for inputs, targets in batches:
+        for batch in batches:
             with autocast():
-                total += forward(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)) / norm
+                total += forward(*on_device(batch, device)) / norm
     return total
+
+
+def on_device(batch: Batch, device: torch.device) -> List[torch.Tensor]:
+    """A micro-batch's tensors on ``device``: the model's arguments (inputs, targets[, positions])."""
+    return [t.to(device, non_blocking=True) for t in batch]
 
 
 def set_lr(optimizers: Iterable[Any], lr: float) -> None:

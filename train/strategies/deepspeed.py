@@ -38,7 +38,7 @@ from spec.ds_config import deepspeed_config, use_bf16
 from train.torch_compat import link_path_without_spaces
 from train import steptimes
 from train.strategies.base import (Batch, DeviceMemory, EngineBuilder, build_adamw, divisor, forward_loss,
-                                   set_lr)
+                                   on_device, set_lr)
 
 
 class DeepSpeedEngine(DeviceMemory):
@@ -85,9 +85,8 @@ class DeepSpeedEngine(DeviceMemory):
         set_lr(self.optimizers, lr)  # DeepSpeed has no scheduler here and reads lr at its step
         total = torch.zeros((), device=self.device)
         norm = None
-        for inputs, targets in batches:
-            loss = self.ds(inputs.to(self.device, non_blocking=True),
-                           targets.to(self.device, non_blocking=True)) / norm_by
+        for batch in batches:
+            loss = self.ds(*on_device(batch, self.device)) / norm_by
             # scale_wrt_gas=False: the divisor already spans the step's micro-batches; step()
             # only updates at the accumulation boundary (the last), where gradients are reduced.
             self.ds.backward(loss, scale_wrt_gas=False)
