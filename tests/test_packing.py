@@ -261,3 +261,22 @@ def test_packed_run_under_fsdp_tp_trains_like_one_process(prepared, tmp_path):
     err = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and "strategy.pipeline_parallel=2" in err[-1], proc.stdout + proc.stderr
     assert not (tmp_path / "refused" / "runs").exists()
+
+
+def test_a_position_saved_unpacked_or_at_another_length_is_refused(prepared):
+    """A sample index counts conversations unpacked and packed sequences of one train.seq_len
+    packed: a checkpoint's data position resumed with data.packing flipped, or packed at
+    another length, would take other samples, so the loader refuses it in one line."""
+
+    unpacked = ChatLoader(prepared, "train", SEQ, 2, 1, 0, 1, 5)
+    saved = unpacked.state_dict()
+    assert saved["samples_are"] == "conversations"
+    with pytest.raises(ValueError, match=r"counts conversations, this run's data packed sequences of \d+ tokens: "
+                                         r"resume with the data.packing and train.seq_len it was saved with$"):
+        packed(prepared).load_state_dict(saved)
+    longer = PackedChatLoader(prepared, "train", SEQ + 16, 2, 1, 0, 1, seed=5)
+    with pytest.raises(ValueError, match=f"packed sequences of {SEQ + 16} tokens, this run's data packed "
+                                         f"sequences of {SEQ} tokens"):
+        packed(prepared).load_state_dict(longer.state_dict())
+    packed(prepared).load_state_dict(packed(prepared).state_dict())  # the same kind resumes
+    unpacked.load_state_dict({"step": 3, "samples": 12})  # a state saved before the kind was kept

@@ -199,7 +199,7 @@ def test_loader_resumed_at_another_dp_degree_sees_every_sample_once(tmp_path, be
         for loader in first:
             seen += [row for inputs, _ in loader.next_step() for row in map(tuple, inputs.tolist())]
     state = first[0].state_dict()
-    assert state == {"step": 3, "samples": 3 * GLOBAL, "global_batch": GLOBAL}
+    assert state == {"step": 3, "samples": 3 * GLOBAL, "global_batch": GLOBAL, "samples_are": "windows"}
     second = loaders(after)
     for loader in second:
         loader.load_state_dict(state)

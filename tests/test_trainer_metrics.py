@@ -83,7 +83,8 @@ def test_only_global_rank_0_writes_and_the_switch_turns_it_off(tmp_path, monkeyp
         session._bind(None)
     assert read_metrics(tmp_path) == []
     monkeypatch.setenv(hf_trainer.ENV, "0")
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    # a finder an earlier test of this process installed (a user's code run in-process) left out
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, hf_trainer._Finder)])
     hf_trainer.install()
     assert not any(isinstance(f, hf_trainer._Finder) for f in sys.meta_path)
 

@@ -84,6 +84,9 @@ class PackedChatLoader(ChatLoader):
         super().__init__(*args, **kwargs)
         self.targets_of = np.add.reduceat(self.targets_of[self.order], self.starts[:-1])
 
+    def sample_kind(self) -> str:
+        return f"{self.unit} of {self.seq_len} tokens"  # the packing follows train.seq_len
+
     def _num_samples(self) -> int:
         sizes = costs(self.offsets.tolist(), self.seq_len)
         order, starts = pack(sizes, self.seq_len)

@@ -206,12 +206,24 @@ class ShardedLoader:
             micro.append(tuple(c[part].contiguous() for c in columns))
         return micro
 
+    def sample_kind(self) -> str:
+        """What a global sample index counts: a position saved by a loader that counts
+        something else (chat data packed or not; packed at another train.seq_len) means
+        other samples here."""
+        return self.unit
+
     def state_dict(self) -> dict:
-        return {"step": self.state.step, "samples": self.state.samples, "global_batch": self.global_batch}
+        return {"step": self.state.step, "samples": self.state.samples, "global_batch": self.global_batch,
+                "samples_are": self.sample_kind()}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state``'s step and global sample (a state without ``samples``,
-        from before the loader kept it: the step x this loader's global batch)."""
+        from before the loader kept it: the step x this loader's global batch). A state
+        whose samples are another kind than this loader's is refused (ValueError)."""
+        kind = state.get("samples_are")
+        if kind is not None and kind != self.sample_kind():
+            raise ValueError(f"the checkpoint's data position counts {kind}, this run's data {self.sample_kind()}: "
+                             "resume with the data.packing and train.seq_len it was saved with")
         self.state.step = int(state["step"])
         samples = state.get("samples")
         self.state.samples = int(samples) if samples is not None else self.state.step * self.global_batch
