@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import ONE_STEP, final_states, launcher, run_dir_of
+from conftest import ONE_STEP, final_states, launcher, run_dir_of, wait_until
 from helpers import strategy_options
 from spec.rundir import read_metrics, read_run_json
 
@@ -121,12 +121,15 @@ def test_hostile_names_reach_the_job_quoted(tmp_path, slurm_cluster):
     assert read_run_json(run_dir)["status"] == "completed"
     assert not list(tmp_path.rglob("pwned*")) and not list(run_dir.rglob("pwned*"))
     job = read_run_json(run_dir)["job_id"]
-    # once sacct has the job's end: until its start record reaches slurmdbd, a job that a
-    # step's record created there is named "allocation" (seen with this 1-second job)
     assert final_states(job, slurm_cluster)[-1] == "COMPLETED"
-    name = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "JobName"], env=slurm_cluster,
-                          capture_output=True, text=True).stdout.split("\n")[0]
-    assert name == "a b;$(touch pwned2)"
+
+    # slurmdbd names a job whose record a step created "allocation" until the job's own
+    # record arrives, sometimes after its end state (seen in a fresh-clone suite): wait for it
+    def name():
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "JobName"], env=slurm_cluster,
+                             capture_output=True, text=True).stdout.split("\n")[0]
+        return out if out not in ("", "allocation") else None
+    assert wait_until(name, 60, "sacct's name of the job past its placeholder") == "a b;$(touch pwned2)"
 
 
 def test_hang_on_two_nodes_names_the_node(tmp_path, slurm_cluster):
