@@ -279,9 +279,15 @@ class Table:
         print(f"{name:24s} {result:5s} {seconds:6.1f} s  {detail}", flush=True)
 
 
+def pythonpath() -> str:
+    """PYTHONPATH for a process a bench starts: the tree first, then the caller's entries
+    (on a GPU machine, the wheels gpu_check.sh installed), each once."""
+    return os.pathsep.join(dict.fromkeys(p for p in [str(REPO), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+                                         if p))
+
+
 def execute(row: Row, deadline: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           **row.env}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), **row.env}
     timeout = max(1.0, min(row.timeout_s, deadline - time.time()))
     try:
         return subprocess.run(row.argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

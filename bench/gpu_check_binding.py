@@ -45,6 +45,7 @@ def _decision(binding: str) -> str:
 
 def binding_row(binding: str, scratch: Path, dry: bool) -> int:
     sys.path.insert(0, str(REPO))
+    from bench.gpu_check import pythonpath
     decision = _decision(binding)
     expected = "cuda:0" if binding == "task" else "refused: "
     print(f"gpu_binding={binding}, local rank 3 of 4, one visible device: {decision}")
@@ -56,9 +57,7 @@ def binding_row(binding: str, scratch: Path, dry: bool) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # the caller's PYTHONPATH stays after the tree: it holds the wheels gpu_check.sh installed
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, **TASK, "MASTER_PORT": str(port), "PYTHONPATH": path}
+    env = {**os.environ, **TASK, "MASTER_PORT": str(port), "PYTHONPATH": pythonpath()}  # the wheels stay
     proc = subprocess.run([sys.executable, "-m", "train", str(run_dir)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=240)
     print(proc.stdout[-2000:] + proc.stderr[-2000:])

@@ -208,9 +208,10 @@ def main() -> None:
     for s in strategies:
         if s not in ("ddp", "fsdp"):
             parser.error(f"--strategies: {s!r} is not ddp or fsdp")
+    from bench.gpu_check import pythonpath
+
     # CPU ranks on gloo, also on a GPU machine; the caller's PYTHONPATH (wheels) after the tree
-    path = os.pathsep.join(dict.fromkeys(p for p in [str(REPO), *os.environ.get("PYTHONPATH", "").split(os.pathsep)] if p))
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=path, PYTHONUNBUFFERED="1",
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=pythonpath(), PYTHONUNBUFFERED="1",
                CUDA_VISIBLE_DEVICES="")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     results: dict[str, dict[str, list[dict]]] = {s: {"ours": [], "bare": []} for s in strategies}
