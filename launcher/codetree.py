@@ -19,9 +19,10 @@ import stat
 import subprocess
 import sysconfig
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from spec.config import ConfigError
 
@@ -193,27 +194,35 @@ def copy_tree(tree: Tree, cache: Path) -> Tuple[Path, str]:
 STALE_S = 3600.0
 
 
-def prune_copies(cache: Path, referenced: Sequence[Path], stale_s: float = STALE_S) -> List[Path]:
-    """Remove the copies in ``cache`` that ``referenced`` does not name and nobody made or
-    reused for ``stale_s`` seconds (their runs were deleted, or resumed with fresh code);
-    partial copies left by a killed launch too. The removed paths."""
-    import time
-
-    keep, now, gone = {Path(p).name for p in referenced}, time.time(), []
+def prune_copies(cache: Path, keep: Sequence[Path], referenced: Callable[[], Sequence[Path]],
+                 stale_s: float = STALE_S) -> List[Path]:
+    """Remove the copies in ``cache`` that nobody made or reused for ``stale_s`` seconds and
+    that neither ``keep`` (this launch's) nor ``referenced()`` names (their runs were
+    deleted, or resumed with fresh code); partial copies left by a killed launch too.
+    ``referenced`` is asked only when a stale copy is there (it reads every run.json
+    beside the cache). The removed paths."""
+    now = time.time()
+    stale = []
     for copy in sorted(cache.iterdir()) if cache.is_dir() else []:
         try:
             old = now - copy.stat().st_mtime >= stale_s
         except FileNotFoundError:
             continue
-        if copy.is_dir() and not copy.is_symlink() and copy.name not in keep and old:
-            for sub, _, _ in os.walk(copy):  # read-only files sit in writable directories; make sure
-                try:
-                    os.chmod(sub, 0o755)
-                except OSError:  # another user's copy: rmtree leaves what it cannot remove
-                    pass
-            shutil.rmtree(copy, ignore_errors=True)
-            if not copy.exists():
-                gone.append(copy)
+        if old and copy.is_dir() and not copy.is_symlink():
+            stale.append(copy)
+    names = {Path(p).name for p in keep}
+    if any(c.name not in names for c in stale):
+        names |= {Path(p).name for p in referenced()}
+    gone = []
+    for copy in (c for c in stale if c.name not in names):
+        for sub, _, _ in os.walk(copy):  # read-only files sit in writable directories; make sure
+            try:
+                os.chmod(sub, 0o755)
+            except OSError:  # another user's copy: rmtree leaves what it cannot remove
+                pass
+        shutil.rmtree(copy, ignore_errors=True)
+        if not copy.exists():
+            gone.append(copy)
     return gone
 
 

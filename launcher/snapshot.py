@@ -119,7 +119,7 @@ def freeze(plan: Plan, memo: Optional[Dict[Plan, Frozen]] = None) -> Frozen:
         return memo[plan]
     made = [copy_tree(t, plan.cache) for t in plan.trees]
     frozen = _frozen(plan, [c for c, _ in made], [k for _, k in made])
-    prune_copies(plan.cache, [c for c, _ in made] + referenced_copies(plan.cache))
+    prune_copies(plan.cache, [c for c, _ in made], lambda: referenced_copies(plan.cache))
     if memo is not None:
         memo[plan] = frozen
     return frozen

@@ -113,7 +113,11 @@ def test_copies_no_run_names_go_once_stale_and_reuse_keeps_one(tmp_path):
         os.utime(c, (past, past))
     assert copy("X = 3\n") == reused  # made again by a launch: its age starts over
     assert snapshot.referenced_copies(cache) == [named]
-    assert codetree.prune_copies(cache, snapshot.referenced_copies(cache)) == [orphan]
+    asked = []
+    assert codetree.prune_copies(cache, [fresh], lambda: asked.append(1) or snapshot.referenced_copies(cache)) == [orphan]
+    assert asked == [1]  # run.json files read once, as a stale copy was there
+    # the only stale copy left is this launch's own: no run.json is read
+    assert codetree.prune_copies(cache, [named], lambda: asked.append(2) or []) == [] and asked == [1]
     assert sorted(p.name for p in cache.iterdir()) == sorted(c.name for c in (named, reused, fresh))
 
 def test_a_sweeps_points_share_one_copy_of_the_project(tmp_path):
