@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -112,6 +113,11 @@ def status_of(info: Dict[str, Any]) -> Optional[Status]:
         return None
 
 
+def perplexity(loss: float) -> float:
+    """A row's ``val_ppl``: exp of the validation loss (inf past what a float holds)."""
+    return math.exp(loss) if loss < 700 else float("inf")
+
+
 @dataclass(eq=True)
 class MetricsRow(MappingABC):
     """One line of ``metrics.jsonl``: one optimizer step of the run (rank 0 writes it).
@@ -143,7 +149,7 @@ class MetricsRow(MappingABC):
     compute_time_s: Optional[float] = None
     comm_time_s: Optional[float] = None
     val_loss: Optional[float] = None  # train.eval_every: loss on the held-out split after this step
-    val_ppl: Optional[float] = None   # exp(val_loss)
+    val_ppl: Optional[float] = None   # exp(val_loss): perplexity()
     # Where the step's time went (train/steptimes.py), each {min, median, max, max_rank} over
     # ranks: the loader, forward + backward, clipping + optimizer, all the rank did between
     # two step collectives, and its wait at the step's collective (slowest busy - own).

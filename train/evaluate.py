@@ -7,7 +7,6 @@ rank order, as the training loss is (train/loop.py ``_agree``), so the figure is
 same on every rank and bitwise reproducible."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -45,7 +44,3 @@ class Evaluator:
         gathered = [torch.empty_like(local) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, local)
         return float(torch.stack(gathered).cpu().sum() / self.ctx.world_size)
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 700 else float("inf")

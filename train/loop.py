@@ -16,10 +16,11 @@ from spec.batch import peak_lr
 from spec.config import CheckpointConfig, RunConfig
 from spec.config_model import AUTO_VOCAB
 from spec.model_size import flops_per_token
-from spec.rundir import STEPTIMES, STRAGGLERS, MetricsRow, Status, read_run_json, shape_line, update_run_json
+from spec.rundir import (STEPTIMES, STRAGGLERS, MetricsRow, Status, perplexity, read_run_json, shape_line,
+                         update_run_json)
 from spec.schedule import schedule, schedule_line
 from train.checkpoint import Checkpointer
-from train.evaluate import Evaluator, perplexity
+from train.evaluate import Evaluator
 from train.data import ShardedLoader, build_loader
 from train.harness.outcome import StragglerError
 from train.harness.run import Task

@@ -30,14 +30,13 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import logging
-import math
 import os
 import sys
 import time
 import weakref
 from typing import Any, Dict, Optional
 
-from spec.rundir import MetricsRow
+from spec.rundir import MetricsRow, perplexity
 from train import session
 
 ENV = "STO_TRAINER_METRICS"
@@ -235,7 +234,7 @@ class TrainerRows:
             row = {"step": step}
         if row is not None:
             if loss is not None:
-                row.update(val_loss=loss, val_ppl=math.exp(min(loss, 80.0)))
+                row.update(val_loss=loss, val_ppl=perplexity(loss))
             self._write(row)
         self._pause_ended(state)
 
