@@ -7,11 +7,12 @@ the step on 2 nodes and what each task is told."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
 
-from conftest import launcher, run_dir_of
+from conftest import launcher, run_dir_of, wait_until
 from spec.rundir import read_run_json
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -46,9 +47,16 @@ def test_cpus_per_task_on_srun_and_the_whole_node_memory(tmp_path, slurm_cluster
     assert {s["SLURM_CPUS_PER_TASK"] for s in seen} == {"2"} and {s["SLURM_STEP_NUM_TASKS"] for s in seen} == {"4"}
     node_mb = subprocess.run(["scontrol", "show", "node", seen[0]["host"]], env=slurm_cluster, capture_output=True,
                              text=True).stdout.split("RealMemory=")[1].split()[0]
-    rows = subprocess.run(["sacct", "-n", "-P", "-j", info["job_id"], "-o", "JobID,State,ReqMem,NTasks,AllocTRES"],
-                          env=slurm_cluster, capture_output=True, text=True).stdout.splitlines()
-    job, step = (next(r.split("|") for r in rows if r.startswith(f"{info['job_id']}{end}|")) for end in ("", ".0"))
+
+    def accounted():
+        """sacct's job and step rows once the job's record is final: slurmdbd showed a COMPLETED
+        job's ReqMem as "16?" for a moment (a fresh-clone suite), as it shows a name "allocation"."""
+        rows = subprocess.run(["sacct", "-n", "-P", "-j", info["job_id"], "-o", "JobID,State,ReqMem,NTasks,AllocTRES"],
+                              env=slurm_cluster, capture_output=True, text=True).stdout.splitlines()
+        found = [next((r.split("|") for r in rows if r.startswith(f"{info['job_id']}{end}|")), None)
+                 for end in ("", ".0")]
+        return (rows, *found) if None not in found and re.fullmatch(r"\d+[KMGT]", found[0][2]) else None
+    rows, job, step = wait_until(accounted, 60, "sacct's final record of the job")
     # --mem=0: all of each node's memory (the job's, over 2 nodes; the local cluster does not make
     # memory consumable, CR_CPU, so tasks get no SLURM_MEM_PER_NODE); the step: 4 tasks x 2 CPUs.
     assert job[2] == f"{2 * int(node_mb)}M", rows
