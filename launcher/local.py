@@ -29,7 +29,7 @@ from spec.layout import Layout
 
 # Rendezvous ports of local runs: below the kernel's ephemeral range (Linux: 32768-60999),
 # which every outgoing connection (gloo's among them) and every bind to port 0 draws from,
-# and apart from the Slurm jobs' 29500 + job id % 10000. A port checked free by binding it
+# and apart from the Slurm jobs' 25000-31999 (slurm.env.RENDEZVOUS_PORTS). A port checked free by binding it
 # and closing is only reserved until rank 0's TCPStore binds it; taken from the ephemeral
 # range, another process got it in between (EADDRINUSE with several local runs at once).
 LOCAL_PORTS = range(15000, 25000)

@@ -22,6 +22,7 @@ from launcher.snapshot import Frozen
 from slurm import query, sbatch, submitit_adapter
 from slurm.states import job_over, job_state
 from slurm.submitit_adapter import TaskCall
+from spec.cluster import heartbeat_interval
 from spec.config import ConfigError, RunConfig
 from spec.layout import Layout
 
@@ -137,8 +138,9 @@ def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = No
         gpu, extra, srun_gpu = sbatch.gpu_binding(c.gpu_binding, c.gpus_per_node, nodes)
     params = _job_parameters(cfg, cfg.launcher.job_name or default_job_name(cfg), nodes, c.gpus_per_node,
                              c.task_cpus(), srun_gpu, code)
+    grace = submitit_adapter.restart_grace_s(heartbeat_interval(c.hang_timeout_s))
     params.update(gpu, setup=params["setup"] + submitit_adapter.step_loop(
-        c.in_job_restarts, python or _task_python(code)[0], c.spare_nodes, c.nodes, c.gpus_per_node),
+        c.in_job_restarts, python or _task_python(code)[0], c.spare_nodes, c.nodes, c.gpus_per_node, grace),
                   teardown=submitit_adapter.requeue_if_signalled(c.max_requeues))
     spare = {"no-kill": True} if c.spare_nodes else {}  # the job outlives a dead node
     params["additional_parameters"] = {"requeue": True, **spare, **extra, **params["additional_parameters"]}

@@ -79,7 +79,17 @@ def expand_hostlist(text: str) -> List[str]:
 IN_JOB_RESTART_ENV = "STO_IN_JOB_RESTART"
 
 
-def rendezvous_port(job_id: str, base: int = 29500, span: int = 10000, restart: int = 0) -> int:
+# Rendezvous ports of Slurm jobs: 25000-31999, below the kernel's ephemeral range (Linux:
+# 32768-60999), which every outgoing connection (gloo's and NCCL's among them) and every
+# bind to port 0 draws from: a port there can be any process's local end at the moment
+# rank 0's TCPStore binds it (EADDRINUSE, seen in a loaded suite run: a restart's port,
+# 29500 + (job + 4099) % 10000, was over 32767), and apart from local runs' 15000-24999
+# (launcher/local.py).
+RENDEZVOUS_PORTS = range(25000, 32000)
+
+
+def rendezvous_port(job_id: str, base: int = RENDEZVOUS_PORTS.start, span: int = len(RENDEZVOUS_PORTS),
+                    restart: int = 0) -> int:
     """A port every task of a job derives alike, differing between concurrent jobs and
     between the job's restarts inside its allocation (``restart``: a restarted step does
     not meet a socket of the step before it, nor a peer still bound to it).

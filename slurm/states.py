@@ -144,7 +144,7 @@ def after_local_exit(status: Optional[Status], exit_code: int) -> Optional[Statu
 #: run.json ``failure`` classes a restart inside the job takes on (None: a rank's own
 #: error): not a blamed node (the requeue without it, train.harness.badnodes) nor a task
 #: that refused its device (the same refusal awaits every start).
-RESTARTABLE_FAILURES = frozenset({None, "communication", "rank_failure", "hang"})
+RESTARTABLE_FAILURES = frozenset({None, "communication", "rank_failure", "hang", "rendezvous"})
 #: Errors of the code's or the data's start (an import, a path): every start fails alike.
 START_ERRORS = ("ImportError", "ModuleNotFoundError", "SyntaxError", "FileNotFoundError", "NotADirectoryError",
                 "IsADirectoryError", "PermissionError", "ConfigError", "DeviceError")

@@ -19,6 +19,7 @@ arguments, imported when the task calls it, so the login side never imports the 
 from __future__ import annotations
 
 import importlib
+import math
 import shlex
 import sys
 from dataclasses import dataclass
@@ -108,7 +109,11 @@ def requeue_if_signalled(max_requeues: int) -> list[str]:
 #    once every task of the step has ended, so the old step's processes are gone when the
 #    next starts; STO_IN_JOB_RESTART numbers the starts (slurm.env.in_job_restart: the
 #    rendezvous port follows it; unset for cluster.in_job_restarts=0: nothing restarts).
-#    The teardown sees the last step's exit status.
+#    A task still running {grace} s (:func:`restart_grace_s`) after RESTART appeared is
+#    one that cannot end by itself (a peer waiting in the rendezvous for a rank 0 that
+#    failed to bind its port waits until train.dist_timeout_s): the loop ends the step
+#    (scancel --signal=KILL of its newest step, in the background, and srun killed) and
+#    starts the next. The teardown sees the last step's exit status.
 # `wait -n` (bash >= 4.3) wakes at the step's end or after a second, whichever is first.
 _STEP_LOOP = """\
 sto_job=${{SLURM_ARRAY_JOB_ID:+${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}}}
@@ -120,6 +125,15 @@ sto_failed() {{
 sto_kill_srun() {{  # the step's srun, $! (a subshell: srun is its child); /proc first, pkill if need be
   local kids; kids=$(cat /proc/"$1"/task/*/children 2>/dev/null) || kids=$(pgrep -P "$1" 2>/dev/null)
   kill -KILL $kids "$1" 2>/dev/null
+}}
+sto_end_step() {{  # $2: the step's srun ($!), $3: why
+  local step
+  step=$(sto_slurm squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null |
+    sed -n 's/^[0-9_]*[.]\\([0-9][0-9]*\\)$/\\1/p' | sort -n | tail -n 1)  # the newest step: this srun's
+  echo "$(date -u +%FT%TZ) $3: ending step ${{step:-?}} of job $sto_job" >&2
+  # in the background: scancel answers after MessageTimeout when a node of the step is dead
+  [ -n "$step" ] && {{ sto_slurm scancel --signal=KILL "$SLURM_JOB_ID.$step" 2>/dev/null & }}
+  sto_kill_srun "$2"
 }}
 sto_request() {{
   local taken="$1/.{request}.taken" action nodes reason out
@@ -143,18 +157,20 @@ sto_request() {{
   esac
 }}
 srun() {{
-  local folder="${{@: -1}}" code i=0 pid
+  local folder="${{@: -1}}" code i=0 pid waited
   local dir="${{folder//%a/$SLURM_ARRAY_TASK_ID}}/.."
   {{ SLURM_TIME_FORMAT=%s sto_slurm scontrol show job -o "$SLURM_JOB_ID"
     sto_slurm sinfo -h -N -p "$SLURM_JOB_PARTITION" -o '%N|%t|%f'; }} 2>/dev/null > "$dir/{facts}"
   while :; do
     rm -f "$dir/{restart}" "$dir/{request}"
     {restart_env}sto_slurm srun "$@" &
-    pid=$!
+    pid=$! waited=0
     while kill -0 "$pid" 2>/dev/null; do
       sleep 1 & wait -n
       kill $! 2>/dev/null
       sto_request "$dir" "$pid" && exit 0
+      [ -e "$dir/{restart}" ] && waited=$((waited + 1))
+      [ "$waited" -ge {grace} ] && {{ sto_end_step "$dir" "$pid" "a task still runs {grace} s after the restart was asked"; break; }}
     done
     wait "$pid"
     code=$?
@@ -179,40 +195,39 @@ srun() {{
 # DOWN (SlurmdTimeout), and `scancel --signal=KILL` of the step ends anything left of it
 # (in the background: it answers only after MessageTimeout, waiting for the dead node).
 _SPARE_FUNCTIONS = """\
-sto_drop=  # the nodes this job's restarts dropped (RESTART's exclude=): srun --exclude
-sto_end_step() {{
-  local step
-  step=$(sto_slurm squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null |
-    sed -n 's/^[0-9_]*[.]\\([0-9][0-9]*\\)$/\\1/p' | sort -n | tail -n 1)  # the newest step: this srun's
-  echo "$(date -u +%FT%TZ) the step asks for a restart without $(sed -n 's/^exclude=//p' "$1/{restart}"):" \\
-    "ending step ${{step:-?}} of job $sto_job" >&2
-  # in the background: scancel answers after MessageTimeout, waiting for the dead node
-  [ -n "$step" ] && {{ sto_slurm scancel --signal=KILL "$SLURM_JOB_ID.$step" 2>/dev/null & }}
-  sto_kill_srun "$2"
-}}"""
+sto_drop=  # the nodes this job's restarts dropped (RESTART's exclude=): srun --exclude"""
 _SPARE_EDITS = (
-    ("srun() {{\n  local folder=\"${{@: -1}}\" code i=0 pid",
-     "srun() {{\n  local folder=\"${{@: -1}}\" code i=0 pid drop polls"),
+    ("srun() {{\n  local folder=\"${{@: -1}}\" code i=0 pid waited",
+     "srun() {{\n  local folder=\"${{@: -1}}\" code i=0 pid waited drop polls"),
     ("    {restart_env}sto_slurm srun \"$@\" &",
      "    {restart_env}sto_slurm srun --nodes={nodes} --ntasks={ntasks} --overlap ${{sto_drop:+--exclude=$sto_drop}} "
      "\"$@\" &"),
-    ("    pid=$!\n", "    pid=$! polls=0\n"),
-    ("      sto_request \"$dir\" \"$pid\" && exit 0\n    done",
+    ("    pid=$! waited=0\n", "    pid=$! waited=0 polls=0\n"),
+    ("      sto_request \"$dir\" \"$pid\" && exit 0\n",
      "      sto_request \"$dir\" \"$pid\" && exit 0\n"
      "      grep -q '^exclude=.' \"$dir/{restart}\" 2>/dev/null && polls=$((polls + 1))\n"
-     "      [ \"$polls\" -ge 2 ] && {{ sto_end_step \"$dir\" \"$pid\"; break; }}\n    done"),
+     "      [ \"$polls\" -ge 2 ] && {{ sto_end_step \"$dir\" \"$pid\" \"the step asks for a restart without "
+     "$(sed -n 's/^exclude=//p' \"$dir/{restart}\")\"; break; }}\n"),
     ("    i=$((i + 1))\n",
      "    i=$((i + 1))\n    drop=$(sed -n 's/^exclude=//p' \"$dir/{restart}\")\n    sto_drop=${{drop:-$sto_drop}}\n"),
 )
 
 
+def restart_grace_s(heartbeat_s: float) -> int:
+    """Seconds the step loop lets a step's tasks end by themselves once a restart was
+    asked: a peer of the failing rank classifies the failure first (three heartbeats,
+    ``train.harness.watchdog.classify_failure``), then records it; 30 s beyond that."""
+    return 30 + 3 * math.ceil(max(0.0, heartbeat_s))
+
+
 def step_loop(restarts: int, python: Optional[str] = None, spares: int = 0, nodes: int = 1,
-              tasks_per_node: int = 1) -> list[str]:
+              tasks_per_node: int = 1, grace_s: int = 60) -> list[str]:
     """The batch script's last setup lines for a training job: the step function above,
     with ``cluster.in_job_restarts=restarts`` (0: the step runs once) and ``python`` (as
     for :func:`task_python`) to record a failed Slurm call in run.json. ``spares``
     (``cluster.spare_nodes``) > 0: the step runs on ``nodes`` of the job's nodes with
-    ``tasks_per_node`` tasks each, and a restart can drop nodes (:data:`_SPARE_EDITS`)."""
+    ``tasks_per_node`` tasks each, and a restart can drop nodes (:data:`_SPARE_EDITS`).
+    ``grace_s``: how long a task may outlive the restart's request (:func:`restart_grace_s`)."""
     python = shlex.quote(sys.executable) if python is None else python
     template = _STEP_LOOP
     if spares > 0:
@@ -228,7 +243,8 @@ def step_loop(restarts: int, python: Optional[str] = None, spares: int = 0, node
         head += f" on {int(nodes)} of the job's nodes (cluster.spare_nodes={int(spares)})"
     return [head, *template.format(restarts=int(restarts), restart=RESTART, request=SLURM_REQUEST, facts=SLURM_JOB,
                                    python=python, restart_env="STO_IN_JOB_RESTART=$i " if int(restarts) > 0 else "",
-                                   nodes=int(nodes), ntasks=int(nodes) * int(tasks_per_node)).splitlines()]
+                                   nodes=int(nodes), ntasks=int(nodes) * int(tasks_per_node),
+                                   grace=int(grace_s)).splitlines()]
 
 
 TASK_WRAPPER = Path(__file__).resolve().with_name("task_wrapper.sh")

@@ -115,3 +115,13 @@ class ClusterConfig:
         if self.cpus_per_task or not self.cpus_per_node:
             return self.cpus_per_task
         return self.cpus_per_node // self.gpus_per_node
+
+
+def heartbeat_interval(hang_timeout_s: float) -> float:
+    """Seconds between a rank's heartbeats: none (0) when ``cluster.hang_timeout_s`` is 0,
+    else a sixtieth of the timeout between 1 and 30 s (5 s at the default 300), so a
+    job of thousands of ranks does not write thousands of files a second to a shared
+    file system. The hang check and the failure classification run at the same rate."""
+    if hang_timeout_s <= 0:
+        return 0.0
+    return min(30.0, max(1.0, hang_timeout_s / 60))

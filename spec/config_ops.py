@@ -83,6 +83,11 @@ class FaultConfig:
     hardware_fault_restart: int = 0
     oom_at_step: int = 0  # raise_rank raises torch.OutOfMemoryError at this step, once per run; 0 = off
     oom_in_build: bool = False  # ... and this: once the model is built, before a checkpoint loads (once per run)
+    # Rank 0 finds the job's rendezvous port taken (another process listens on it) in the
+    # start of the job's step with this number (STO_IN_JOB_RESTART: 0 the first srun, 1
+    # the first restart inside the job), as an ephemeral port of another connection could
+    # be: the rendezvous fails there (train/harness/faults.py take_rendezvous_port); -1 = off.
+    port_taken_in_srun: int = -1
 
 
 @dataclass

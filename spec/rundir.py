@@ -70,6 +70,10 @@ NO_CUDA = "no_cuda"
 GPU_BINDING = "gpu_binding"
 TORCH_VERSION = "torch_version"
 START_REFUSALS = (NO_CUDA, GPU_BINDING, TORCH_VERSION)
+# run.json "failure" of a task that could not join the job's process group (rank 0's port
+# taken, a peer unreachable in time): restarted inside the job on the next step's port,
+# else the job ends (train/harness/outcome.py rendezvous_failed).
+RENDEZVOUS = "rendezvous"
 # run.json fields that describe the last segment's failure: cleared when a segment starts
 # (what was excluded for it stays in excluded_nodes / node_exclusions).
 # failed_rank / failed_node: the rank whose own error (not a peer's broken connection)

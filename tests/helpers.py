@@ -91,3 +91,40 @@ def hidden_slurm_client(directory) -> tuple:
         stub.write_text(f'#!/bin/sh\necho "{name} $*" >> "{calls}"\necho "{name}: not in this container" >&2\nexit 1\n')
         stub.chmod(0o755)
     return f"{stubs}:{os.environ['PATH']}", calls
+
+
+# A stand-in for Slurm's client in a batch script run by bash: notes each call in $CALLS.slurm.
+CLIENT = "#!/bin/bash\necho \"$(basename \"$0\") $*\" >> \"$CALLS.slurm\"\n"
+
+
+def run_step_loop(tmp_path, script: str, srun: str, env: dict, squeue: str = CLIENT, timeout: float = 60):
+    """Run a rendered batch ``script`` with bash, ``srun`` (a script's text) and Slurm's
+    client stood in for on the PATH (``squeue``: its stand-in's text); ``env`` adds to
+    CALLS (tmp_path/calls) and SLURM_JOB_ID=41. The CompletedProcess."""
+    import os
+    import stat
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", srun), ("scontrol", CLIENT), ("sinfo", CLIENT), ("squeue", squeue),
+                       ("scancel", CLIENT)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"), "SLURM_JOB_ID": "41", **env}
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def stuck_srun(request: str) -> str:
+    """A stand-in for srun whose first step writes ``request`` (printf's format) to $MARK
+    (RUN_DIR/RESTART: its tasks asked a restart) and never ends by itself (srun waiting
+    for a dead node's tasks, a peer waiting in the rendezvous); the next step ends at once.
+    Each call's restart index and arguments go to $CALLS."""
+    return f"""#!/bin/bash
+echo "${{STO_IN_JOB_RESTART:-unset}} $*" >> "$CALLS"
+if [ "$(wc -l < "$CALLS")" -eq 1 ]; then
+  printf '{request}' > "$MARK"
+  exec sleep 60
+fi
+exit 0
+"""

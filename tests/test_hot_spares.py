@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import compose_run
+from helpers import CLIENT, compose_run, run_step_loop, stuck_srun
 from launcher.submit import render_script, resources_line
 from slurm import submitit_adapter
 from slurm.states import restart_refusal
@@ -118,16 +118,9 @@ def test_a_dead_node_asks_a_restart_on_the_spare_and_records_it(tmp_path, no_slu
         "not restarted: failure node_failure is not restarted inside the job")
 
 
-# A stand-in for srun: the first step's tasks ask a restart without node2 and the step then
-# waits (as srun does for a dead node's tasks); the next one ends at once.
-FAKE_SRUN = """#!/bin/bash
-echo "${STO_IN_JOB_RESTART:-unset} $*" >> "$CALLS"
-if [ "$(wc -l < "$CALLS")" -eq 1 ]; then
-  printf '{"step": 7}\\nexclude=node2\\n' > "$MARK"
-  exec sleep 60
-fi
-exit 0
-"""
+# The first step's tasks ask a restart without node2 and the step then waits (as srun does
+# for a dead node's tasks); the next one ends at once.
+FAKE_SRUN = stuck_srun('{"step": 7}\\nexclude=node2\\n')
 
 
 def test_the_step_loop_ends_a_step_that_waits_for_a_dead_node_and_excludes_it(tmp_path):
@@ -135,17 +128,8 @@ def test_the_step_loop_ends_a_step_that_waits_for_a_dead_node_and_excludes_it(tm
     run_dir = tmp_path / "run dir"
     (run_dir / "slurm").mkdir(parents=True)
     script = render_script(cfg, build_layout(cfg), run_dir, python="python", wrapper="/w.sh")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    client = "#!/bin/bash\necho \"$(basename \"$0\") $*\" >> \"$CALLS.slurm\"\n"
-    squeue = client + "printf '41.batch\\n41.0\\n'\n"
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", client), ("sinfo", client), ("squeue", squeue),
-                       ("scancel", client)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(stat.S_IRWXU)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
-           "MARK": str(run_dir / RESTART), "SLURM_JOB_ID": "41"}
-    proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=50)
+    proc = run_step_loop(tmp_path, script, FAKE_SRUN, {"MARK": str(run_dir / RESTART)},
+                         squeue=CLIENT + "printf '41.batch\\n41.0\\n'\n", timeout=50)
     calls = (tmp_path / "calls").read_text().splitlines()
     assert proc.returncode == 0, proc.stderr
     assert len(calls) == 2 and calls[0].startswith("0 --nodes=2 --ntasks=4 --overlap --unbuffered"), calls

@@ -10,12 +10,13 @@ import logging
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from helpers import compose_run
+from helpers import compose_run, run_step_loop, stuck_srun
 from launcher.submit import render_script
 from slurm.env import rendezvous_port, task_identity
 from slurm.states import restart_refusal
@@ -46,6 +47,7 @@ def entry(step=7, error=ERROR, job="41"):
     ([], None, ERROR, 1, 3, False, "failed before the run's first step"),
     ([entry(), entry(step=9)], None, ERROR, 11, 2, True, "restart budget spent: cluster.in_job_restarts=2"),
     ([entry()], None, ERROR, 7, 3, True, "crash loop: the same error at step 7"),
+    ([], "rendezvous", "DistNetworkError: EADDRINUSE", 0, 3, None, None),  # the next srun's port differs
 ])
 def test_which_failures_are_restarted_inside_the_job(entries, failure, error, step, budget, started, why):
     got = restart_refusal(entries, failure, error, step, "41", budget, started)
@@ -56,7 +58,7 @@ def test_the_rendezvous_port_follows_the_restart_index():
     env = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NTASKS": "2",
            "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242"}
     first = task_identity(env)
-    assert first.in_job_restart is None and first.master_port == rendezvous_port("4242") == 29500 + 4242
+    assert first.in_job_restart is None and first.master_port == rendezvous_port("4242") == 25000 + 4242
     ports = [task_identity({**env, "STO_IN_JOB_RESTART": str(i)}).master_port for i in range(4)]
     assert ports[0] == first.master_port and len(set(ports)) == 4
     assert task_identity({**env, "STO_IN_JOB_RESTART": "2"}).in_job_restart == 2
@@ -158,6 +160,51 @@ def test_a_restarted_segment_notes_when_it_started_and_the_seconds_lost(tmp_path
 
 # --- the batch script's step loop ---------------------------------------------------------
 
+def test_a_failed_rendezvous_is_restarted_on_the_next_srun_and_its_loss_counted_once(tmp_path, no_slurm):
+    """Rank 0 cannot bind the port in the restart after an error (srun 1), then joins in
+    srun 2: two entries of segment 1 (told apart by ``srun``), both closed by the segment
+    that starts; the seconds lost go to the error that began the chain, 0 to the rest."""
+    from train.harness.outcome import rendezvous_failed
+
+    log = logging.getLogger("test_in_job_restart")
+    started_segment(tmp_path, 0)
+    record_failure(RuntimeError("fault.raise_at_step=7: injected failure"), tmp_path, 1, 2, log, 0,
+                   Restart(tmp_path, 3, identity(1, restart=0), 0, Beats(6)))
+    (tmp_path / RESTART).unlink()  # the batch script's, before the next srun
+    rendezvous_failed(RuntimeError("[gloo] Connection reset: EADDRINUSE"), tmp_path, identity(0, restart=1), 1, 3,
+                      log)
+    info = read_run_json(tmp_path)
+    assert info["status"] == "restarting" and info["failure"] == "rendezvous" and info["failed_rank"] == 0
+    assert [(e["segment"], e["srun"], e["reason"]) for e in info["in_job_restarts"]] == [(0, 0, "error"),
+                                                                                          (1, 1, "rendezvous")]
+    assert json.loads((tmp_path / RESTART).read_text())["srun"] == 1
+    started_segment(tmp_path, 1)
+    note_start(tmp_path, identity(0, restart=2))
+    later = time.time() + 5  # no row of step 6 here: the time since the first failure
+    note_first_row(tmp_path, identity(0, restart=2), {"step": 7, "segment": 1, "time": later, "step_time_s": 1.0})
+    first, second = read_run_json(tmp_path)["in_job_restarts"]
+    assert first["restarted_at"] == second["restarted_at"] and first["downtime_s"] > second["downtime_s"] >= 0
+    assert first["seconds_lost"] > 0 and second["seconds_lost"] == 0.0
+
+
+def test_a_failed_rendezvous_without_the_step_loop_ends_the_job(tmp_path, monkeypatch):
+    """No restart to ask (no step loop): the job is cancelled, as its other tasks would wait
+    in the rendezvous until train.dist_timeout_s."""
+    from spec.rundir import SLURM_REQUEST
+    from train.harness.outcome import is_rendezvous_error, rendezvous_failed
+    import torch.distributed as dist
+
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    error = dist.DistNetworkError("The server socket has failed to listen: EADDRINUSE")
+    assert is_rendezvous_error(error) and not is_rendezvous_error(ValueError("a bad value"))
+    rendezvous_failed(error, tmp_path, identity(0, restart=None), 0, 3, logging.getLogger("test_in_job_restart"))
+    info = read_run_json(tmp_path)
+    assert (info["status"], info["failure"], info["failed_rank"]) == ("failed", "rendezvous", 0)
+    assert "EADDRINUSE" in info["error"] and "in_job_restarts" not in info
+    assert "action=cancel" in (tmp_path / SLURM_REQUEST).read_text()
+
+
 FAKE_SRUN = """#!/bin/bash
 # A stand-in for srun: notes the restart index and the folder, and fails with the request
 # file left behind while $FAIL_TIMES says so.
@@ -241,3 +288,28 @@ def test_a_users_first_logged_row_of_a_restarted_segment_gives_the_seconds_lost(
         session._bind(None)
     assert read_run_json(tmp_path)["in_job_restarts"][0]["seconds_lost"] is None
     assert [r["step"] for r in read_metrics(tmp_path)] == [3, 4]
+
+
+# A step whose first start asks a restart and never ends (a peer waiting in the rendezvous):
+# the loop must end it after its grace and start the next.
+STUCK_SRUN = stuck_srun('{"reason": "rendezvous"}\\n')
+
+
+def test_a_task_that_outlives_the_restart_request_is_ended_after_the_grace(tmp_path):
+    """hang_timeout_s=60: heartbeats every 1 s, a grace of 33 s (made 2 here: the script's
+    bound is what is tested, not its size)."""
+    from slurm.submitit_adapter import restart_grace_s
+
+    assert restart_grace_s(1.0) == 33 and restart_grace_s(5.0) == 45 and restart_grace_s(0.0) == 30
+    cfg = compose_run(["+cluster=localslurm", "cluster.hang_timeout_s=60"])
+    run_dir = tmp_path / "run dir"
+    (run_dir / "slurm").mkdir(parents=True)
+    script = render_script(cfg, build_layout(cfg), run_dir, python="python", wrapper="/w.sh")
+    assert script.count('-ge 33 ]') == 1
+    script = script.replace('-ge 33 ]', '-ge 2 ]')
+    proc = run_step_loop(tmp_path, script, STUCK_SRUN, {"MARK": str(run_dir / RESTART)})
+    assert proc.returncode == 0, proc.stderr
+    assert [c.split()[0] for c in (tmp_path / "calls").read_text().splitlines()] == ["0", "1"]
+    assert "a task still runs 33 s after the restart was asked: ending step" in proc.stderr
+    assert "the step failed (exit 137" in proc.stderr and "restart 1 of 3 inside job 41" in proc.stderr
+

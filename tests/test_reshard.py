@@ -318,7 +318,10 @@ def test_the_conversion_job_is_one_cpu_task_on_the_runs_partition():
     assert (conv["nodes"], conv["ntasks_per_node"], conv["cpus_per_task"]) == (1, 1, 96)
     assert "gpus_per_node" not in conv and "teardown" not in conv and "requeue" not in conv["additional_parameters"]
     # the profile's setup lines, without the training step's function (a conversion runs once)
-    loop = submitit_adapter.step_loop(cfg.cluster.in_job_restarts)
+    from spec.cluster import heartbeat_interval
+
+    grace = submitit_adapter.restart_grace_s(heartbeat_interval(cfg.cluster.hang_timeout_s))
+    loop = submitit_adapter.step_loop(cfg.cluster.in_job_restarts, grace_s=grace)
     assert loop and job["setup"] == conv["setup"] + loop
     assert conv["partition"] == job["partition"] and conv["time"] == job["time"]
     assert conv["job_name"] == job["job_name"] + "-convert"

@@ -35,7 +35,7 @@ def test_task_env_from_srun_variables():
     assert (t.rank, t.world_size, t.local_rank, t.node_rank) == (5, 8, 1, 1)
     assert t.master_addr == "gpu07"
     assert t.local_world_size == 4 and t.restart_count == 2
-    assert t.master_port == rendezvous_port("4242") == 29500 + 4242
+    assert t.master_port == rendezvous_port("4242") == 25000 + 4242
 
 
 def test_not_in_srun_task():
@@ -46,5 +46,9 @@ def test_not_in_srun_task():
 
 def test_ports_differ_between_jobs_and_stay_in_range():
     ports = {rendezvous_port(str(j)) for j in range(1000, 1100)}
-    assert len(ports) == 100 and all(29500 <= p < 39500 for p in ports)
+    assert len(ports) == 100 and all(25000 <= p < 32000 for p in ports)
+    # a restart's port too stays below the kernel's ephemeral range (32768-60999 on Linux)
+    restarts = {rendezvous_port(str(j), restart=k) for j in range(0, 20000, 7) for k in range(8)}
+    assert min(restarts) >= 25000 and max(restarts) < 32000
+    assert len({rendezvous_port("4242", restart=k) for k in range(8)}) == 8
     assert rendezvous_port("77_3") == rendezvous_port("773")

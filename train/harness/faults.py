@@ -123,3 +123,22 @@ class Faults:
         write: ``fault.slow_async_save_s`` makes it lag, so the training thread runs ahead."""
         if self.cfg.slow_async_save_s:
             time.sleep(self.cfg.slow_async_save_s)
+
+
+_TAKEN: list = []  # fault.port_taken_in_srun's socket: held until the process exits
+
+
+def take_rendezvous_port(cfg: FaultConfig, rank: int, srun: Optional[int], port: int) -> bool:
+    """``fault.port_taken_in_srun``: rank 0 of that start of the job's step listens on the
+    job's rendezvous ``port`` itself before joining, so its TCPStore cannot bind it
+    (EADDRINUSE) and its peers connect to a socket that never answers. True when taken."""
+    import socket
+
+    if rank != 0 or cfg.port_taken_in_srun < 0 or srun is None or srun != cfg.port_taken_in_srun:
+        return False
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("", port))
+    sock.listen(8)
+    _TAKEN.append(sock)
+    return True

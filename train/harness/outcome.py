@@ -25,7 +25,7 @@ from slurm import query
 from slurm.states import final
 from spec.config import RunConfig
 from spec.device import DeviceError
-from spec.rundir import START_REFUSALS, Status, read_run_json, status_of, update_run_json
+from spec.rundir import RENDEZVOUS, START_REFUSALS, Status, read_run_json, status_of, update_run_json
 from train.harness import preempt
 from train.harness.preempt import PreemptionFlag
 from train.harness import health
@@ -56,7 +56,7 @@ def is_comm_error(exc: BaseException) -> bool:
 # peers' guesses from their broken connections and heartbeats (a rank that raised and
 # exited looks like a dead node when it was its node's only rank); an own error that
 # names its node's hardware outranks it in turn.
-FAILURE_RANK = {None: 0, "communication": 1, "rank_failure": 2, "node_failure": 3, "error": 3.2,
+FAILURE_RANK = {None: 0, "communication": 1, RENDEZVOUS: 1.5, "rank_failure": 2, "node_failure": 3, "error": 3.2,
                 "hardware_fault": 3.5, "straggler": 3.5, "preflight_outlier": 4, "hang": 5, **{refusal: 6 for refusal in START_REFUSALS}}
 
 
@@ -146,6 +146,42 @@ def refuse_start(exc: DeviceError, run_dir: Path, rank: int, world_size: int, lo
     else:
         record_failure(exc, run_dir, rank, world_size, log, heartbeat_s=0)
     raise SystemExit(1)
+
+
+def is_rendezvous_error(exc: BaseException) -> bool:
+    """An error of joining the job's process group (torch's ``DistError`` family: rank 0's
+    TCPStore could not bind its port, a peer could not reach it in time), or a broken
+    connection while gloo connects its pairs."""
+    import torch.distributed as dist
+
+    return isinstance(exc, getattr(dist, "DistError", ())) or is_comm_error(exc)
+
+
+def rendezvous_failed(exc: BaseException, run_dir: Path, identity: Any, segment: int, budget: int,
+                      log: logging.Logger) -> None:
+    """This task could not join the job's process group: run.json ``failed`` with
+    ``failure: rendezvous`` (unless a finished status or a stronger failure stands). Inside
+    a step loop the job starts its ranks again (``budget``: ``cluster.in_job_restarts``):
+    the next step's port differs (slurm.env.rendezvous_port). Else the job is ended: its
+    other tasks would wait for this one in the rendezvous until ``train.dist_timeout_s``.
+    ``identity``: this task's (:func:`slurm.env.task_identity` before the rendezvous, which
+    leaves torchrun's variables behind); ``segment``: run.json's ``segments`` (the segment
+    this start would have been)."""
+    from train.harness.restart import request
+
+    rank = identity.rank
+    log.error("could not join the job's process group: %s: %s", type(exc).__name__, exc)
+    host = socket.gethostname()
+    fields = {"status": Status.FAILED, "error": f"{type(exc).__name__}: {str(exc)[:500]}", "failure": RENDEZVOUS,
+              "failed_rank": rank, "failed_node": host, "ended_at": time.time()}
+    # A failure still in run.json while it says ``restarting`` is the one the job restarted
+    # for (this start's peers record none before joining): this one replaces it.
+    update_run_json(run_dir, unless=lambda info: final(status_of(info)) or (
+        status_of(info) is not Status.RESTARTING and outranks(failure_class(info), RENDEZVOUS)), **fields)
+    if request(run_dir, budget, identity, segment, 0, None, log.error, rank, host, spares=0):
+        return
+    if preempt.current_job_id() is not None and status_of(read_run_json(run_dir)) is Status.FAILED:
+        preempt.cancel(run_dir, f"rank {rank} could not join the process group")
 
 
 def slurmd_down(fields: Dict[str, Any]) -> Dict[str, Any]:

@@ -84,13 +84,13 @@ def request(run_dir: Path, budget: int, identity: TaskIdentity, segment: int, st
     False without a step loop (a job submitted without one, torchrun, a local run)."""
     if identity.in_job_restart is None:
         return False
-    job = identity.job_id
+    job, srun = identity.job_id, identity.in_job_restart  # srun: which start of the step in this job
     decided: Dict[str, Any] = {}
     spares = _spare_nodes(run_dir) if spares is None else spares
 
     def change(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         entries: List[Dict[str, Any]] = list(info.get("in_job_restarts") or [])
-        if any(e.get("job_id") == job and e.get("segment") == segment for e in entries):
+        if any((e.get("job_id"), e.get("segment"), e.get("srun", srun)) == (job, segment, srun) for e in entries):
             decided["restart"] = True  # another task of this segment asked first; this one's record
             return {"status": Status.RESTARTING} if status_of(info) is Status.FAILED else None  # undone
         if status_of(info) is not Status.FAILED:  # requeued without a node, or already over
@@ -101,8 +101,8 @@ def request(run_dir: Path, budget: int, identity: TaskIdentity, segment: int, st
         if why is not None:
             decided["why"] = why
             return {"in_job_restart": f"not restarted: {why}"}
-        entry = {"job_id": job, "segment": segment, "reason": info.get("failure") or "error", "error": error,
-                 "step": step, **_culprit(info, identity, rank, node), "failed_at": time.time(),
+        entry = {"job_id": job, "segment": segment, "srun": srun, "reason": info.get("failure") or "error",
+                 "error": error, "step": step, **_culprit(info, identity, rank, node), "failed_at": time.time(),
                  "restarted_at": None, "seconds_lost": None}
         fields: Dict[str, Any] = {}
         if drop is not None:  # a spare takes the blamed nodes' place (the step loop's srun --exclude)
@@ -176,12 +176,17 @@ def _culprit(info: Mapping[str, Any], identity: TaskIdentity, rank: Optional[int
     return {"rank": identity.rank, "node": socket.gethostname()}
 
 
-def _last_open(info: Mapping[str, Any], job: str, key: str) -> Optional[int]:
-    """Index of this job's newest in_job_restarts entry whose ``key`` is still unset."""
+def _open(info: Mapping[str, Any], job: str, key: str) -> List[int]:
+    """Indices of this job's in_job_restarts entries, from the newest back, whose ``key``
+    is still unset: the last restart's, and those of the starts before it that never
+    began a segment (a rendezvous that failed)."""
     entries = info.get("in_job_restarts") or []
-    if entries and entries[-1].get("job_id") == job and entries[-1].get(key) is None:
-        return len(entries) - 1
-    return None
+    found = []
+    for i in range(len(entries) - 1, -1, -1):
+        if entries[i].get("job_id") != job or entries[i].get(key) is not None:
+            break
+        found.append(i)
+    return found
 
 
 def note_start(run_dir: Path, identity: TaskIdentity) -> None:
@@ -190,12 +195,13 @@ def note_start(run_dir: Path, identity: TaskIdentity) -> None:
         return
 
     def change(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-        i = _last_open(info, identity.job_id, "restarted_at")
-        if i is None:
+        found = _open(info, identity.job_id, "restarted_at")
+        if not found:
             return None
-        entries = [dict(e) for e in info["in_job_restarts"]]
-        entries[i]["restarted_at"] = now = time.time()
-        entries[i]["downtime_s"] = round(now - float(entries[i].get("failed_at") or now), 3)
+        entries, now = [dict(e) for e in info["in_job_restarts"]], time.time()
+        for i in found:
+            entries[i]["restarted_at"] = now
+            entries[i]["downtime_s"] = round(now - float(entries[i].get("failed_at") or now), 3)
         return {"in_job_restarts": entries}
 
     change_run_json(run_dir, change)
@@ -215,12 +221,15 @@ def note_first_row(run_dir: Path, identity: TaskIdentity, row: Mapping[str, Any]
     due = before[-1] + float(row.get("step_time_s") or 0.0) if before else None
 
     def change(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-        i = _last_open(info, identity.job_id, "seconds_lost")
-        if i is None:
+        found = _open(info, identity.job_id, "seconds_lost")
+        if not found:
             return None
         entries = [dict(e) for e in info["in_job_restarts"]]
-        since = due if due is not None else entries[i].get("failed_at")
-        entries[i]["seconds_lost"] = round(now - float(since), 3) if since is not None else None
+        first = found[-1]  # the failure that began the chain: the whole loss is its (0 for the starts after it)
+        since = due if due is not None else entries[first].get("failed_at")
+        for i in found:
+            entries[i]["seconds_lost"] = 0.0 if i != first else (round(now - float(since), 3) if since is not None
+                                                                  else None)
         return {"in_job_restarts": entries}
 
     change_run_json(run_dir, change)

@@ -32,9 +32,10 @@ from spec.layout import Layout, build_layout
 from spec.rundir import (CONFIG, SEGMENT_FAILURE, MetricsRow, Status, append_metrics, read_run_json, status_of,
                          update_run_json)
 from train.harness import restart
-from train.harness.faults import Faults
+from train.harness.faults import Faults, take_rendezvous_port
 from train.harness.node_facts import write_node_facts
-from train.harness.outcome import mark_stderr, record_failure, record_hang, record_outcome, refuse_start
+from train.harness.outcome import (is_rendezvous_error, mark_stderr, record_failure, record_hang, record_outcome,
+                                   refuse_start, rendezvous_failed)
 from train.harness.preempt import PreemptionFlag
 from train.harness.restart import Restart
 from train.harness.watchdog import Watchdog, heartbeat_interval
@@ -139,12 +140,20 @@ def _join(run_dir: Path):
                or max(1, cfg.cluster.task_cpus()))
     torch.set_num_threads(max(1, int(threads)))
     layout = build_layout(cfg)
+    te = task_identity()
+    if take_rendezvous_port(cfg.fault, te.rank, te.in_job_restart, te.master_port):
+        rank_logger(run_dir, te.rank).info(f"fault.port_taken_in_srun: port {te.master_port} taken before the rendezvous")
     try:  # the device first: a GPU profile without its GPU stops here, before any collective
         ctx = init_distributed(cfg.train.dist_timeout_s, trace_dir=run_dir / "logs",
                                accelerator=cfg.cluster.accelerator, gpu_binding=cfg.cluster.gpu_binding)
     except DeviceError as exc:
-        te = task_identity()
         refuse_start(exc, run_dir, te.rank, te.world_size, rank_logger(run_dir, te.rank))
+    except Exception as exc:
+        if not is_rendezvous_error(exc):
+            raise
+        rendezvous_failed(exc, run_dir, te, int(read_run_json(run_dir).get("segments", 0)),
+                          cfg.cluster.in_job_restarts, rank_logger(run_dir, te.rank))
+        raise
     if ctx.world_size != layout.world_size:
         raise RuntimeError(f"the job has {ctx.world_size} ranks but the layout needs {layout.world_size} "
                            f"({layout.describe()})")

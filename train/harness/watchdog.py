@@ -41,6 +41,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from spec.cluster import heartbeat_interval  # noqa: F401 - the harness imports it from here
 from spec.rundir import STACK_NOW, STACKS
 
 HANG_EXIT = 75
@@ -138,16 +139,6 @@ def dump_nccl_trace(path: Path) -> Optional[str]:
         return str(path)
     except Exception:  # noqa: BLE001 - best effort
         return None
-
-
-def heartbeat_interval(hang_timeout_s: float) -> float:
-    """Seconds between a rank's heartbeats: none (0) when ``cluster.hang_timeout_s`` is 0,
-    else a sixtieth of the timeout between 1 and 30 s (5 s at the default 300), so a
-    job of thousands of ranks does not write thousands of files a second to a shared
-    file system. The hang check and the failure classification run at the same rate."""
-    if hang_timeout_s <= 0:
-        return 0.0
-    return min(30.0, max(1.0, hang_timeout_s / 60))
 
 
 class Watchdog:
