@@ -246,15 +246,29 @@ class TorchEngine(DCPState):
                 loss.backward()
             total += loss.detach()
         steptimes.mark_optimizer()
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = self.clip([p for p in self.module.parameters() if p.grad is not None])
         set_lr(self.optimizers, lr)
         self.optimizer.step()
         return total, grad_norm
 
+    def clip(self, params: List[nn.Parameter]) -> torch.Tensor:
+        """Clip the gradients of ``params`` to ``optim.grad_clip`` (0: no clipping); the
+        global norm before clipping, a plain tensor."""
+        return torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+
     def eval_loss(self, micro_batches: Iterable[Batch], share: Optional[float] = None) -> torch.Tensor:
         return forward_loss(self.module, micro_batches, self.device, self._autocast, share)
+
+
+def total_grad_norm(params: List[nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of the gradients of ``params``, a plain tensor. Over DTensor gradients
+    (FSDP, TP) the shards' partial norms are reduced once here (``full_tensor``), and a
+    clip given this norm (``clip_grads_with_norm_``) needs no second reduction, where
+    ``clip_grad_norm_`` reduces inside and its returned norm would need another."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def forward_loss(forward: Callable[..., torch.Tensor], micro_batches: Iterable[Batch], device: torch.device,

@@ -19,30 +19,29 @@ unsharded model (:meth:`train.model.Transformer.init_weights` handles DTensors).
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+from typing import List
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from spec.config import RunConfig
 from spec.layout import Layout
 from train.mesh import dp_mesh
 from train.model import Transformer
-from train.strategies.base import Batch, EngineBuilder, TorchEngine, build_adamw, compute_dtype
+from train.strategies.base import EngineBuilder, TorchEngine, build_adamw, compute_dtype, total_grad_norm
 
 
 class DTensorEngine(TorchEngine):
-    """TorchEngine over DTensor parameters (FSDP2, TP): the grad norm comes back a plain tensor."""
+    """TorchEngine over DTensor parameters (FSDP2, TP): one reduction of the shards' norms
+    per step, for the clip and the reported norm alike (:func:`total_grad_norm`)."""
 
-    def train_step(self, micro_batches: Iterable[Batch], lr: float,
-                   share: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        loss, grad_norm = super().train_step(micro_batches, lr, share)
-        if isinstance(grad_norm, DTensor):  # clip_grad_norm_ over DTensors: reduce the partial norms
-            grad_norm = grad_norm.full_tensor()
-        return loss, grad_norm
+    def clip(self, params: List[nn.Parameter]) -> torch.Tensor:
+        norm = total_grad_norm(params)
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
+        return norm
 
 
 def apply_fsdp(model: Transformer, cfg: RunConfig, layout: Layout, mesh: DeviceMesh, device: torch.device) -> None:

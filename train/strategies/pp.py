@@ -49,7 +49,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import DTensor
 
 from spec.config import RunConfig
 from spec.layout import Layout
@@ -59,7 +58,7 @@ from train.model import Transformer
 from train import steptimes
 from train.loss import loss_sum
 from train.strategies.base import (Batch, DCPState, EngineBuilder, Prepare, build_adamw, compute_dtype, divisor, set_lr,
-                                  state_dict_options, with_own_hyperparameters)
+                                  state_dict_options, total_grad_norm, with_own_hyperparameters)
 from train.strategies.ddp import wrap_ddp
 from train.strategies.fsdp import apply_fsdp
 
@@ -166,10 +165,7 @@ class PipelineEngine(DCPState):
     def _clip(self) -> torch.Tensor:
         """Global gradient norm over every stage, then clip (torchtitan's PP clipping)."""
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        if isinstance(norm, DTensor):  # FSDP / TP: reduce the partial norms of the shards
-            norm = norm.full_tensor()
-        squared = norm.float() ** 2
+        squared = total_grad_norm(params).float() ** 2  # FSDP / TP: the shards' partial norms reduced
         dist.all_reduce(squared, group=self.pp_group)
         total = squared.sqrt()
         if self.grad_clip > 0:
