@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import launcher, run_dir_of, wait_until
+from conftest import REPO, job_gone, launcher, run_dir_of, wait_until
 from slurm.env import expand_hostlist
 from slurm.request import job_facts
 from spec.rundir import read_metrics, read_run_json
@@ -70,6 +70,40 @@ def test_a_spare_takes_a_dead_nodes_place_inside_the_job(tmp_path, slurm_cluster
         rows = read_metrics(run_dir)
         assert {r["step"] for r in rows} == set(range(1, 41)) and max(r["step"] for r in rows) == 40
         assert row["step"] <= max(before) + 1  # resumed from a checkpoint, no step skipped
+        log = (run_dir / "slurm" / f"{job}_0_log.err").read_text()
+        assert f"without {victim}" in log, log[-2000:]
+    finally:
+        start_node(victim, slurm_cluster)
+
+
+def test_a_spare_takes_a_dead_nodes_place_under_a_users_script(tmp_path, slurm_cluster):
+    """The same with a user's entry point (examples/ddp_plain.py: its own checkpoint every 5
+    steps, resumed by itself): the harness around the script classifies the node failure
+    from its heartbeats, the step loop drops the dead node and the spare runs the script
+    again in the same job."""
+    proc = launcher(["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=1", "cluster.spare_nodes=1",
+                     f"entrypoint={REPO / 'examples' / 'ddp_plain.py'}", "entrypoint_args=[--steps,30,--step-delay,0.3]"],
+                    cwd=tmp_path, env=slurm_cluster, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = run_dir_of(proc.stdout)
+    wait_until(lambda: len(read_metrics(run_dir)) >= 8, 120, "8 steps")
+    first = read_run_json(run_dir)
+    victim, job, training = first["hostnames"][1], first["job_id"], set(first["hostnames"])
+    [spare] = sorted(set(expand_hostlist(job_facts(run_dir).fields["NodeList"])) - training)
+    try:
+        subprocess.run(["bash", NODE_SH, "kill", victim], env=slurm_cluster, check=True, capture_output=True)
+        # `completed`, or the job's end: run.json says `failed` for a moment before `restarting`
+        # (the job itself leaves the queue only once Slurm hears of the dead node, SlurmdTimeout)
+        wait_until(lambda: read_run_json(run_dir).get("status") == "completed" or job_gone(job, slurm_cluster), 240,
+                   "the run to complete or its job to end")
+        info = read_run_json(run_dir)
+        assert info["status"] == "completed", info
+        assert info["job_id"] == job and not info.get("node_exclusions") and not info.get("fault_requeues"), info
+        [entry] = info["in_job_restarts"]
+        assert (entry["job_id"], entry["reason"], entry["dropped_nodes"]) == (job, "node_failure", [victim]), entry
+        assert set(info["hostnames"]) == training - {victim} | {spare}, info["hostnames"]
+        steps = [r["step"] for r in read_metrics(run_dir)]
+        assert set(steps) == set(range(1, 31)) and steps[-1] == 30, steps  # resumed from its own checkpoint
         log = (run_dir / "slurm" / f"{job}_0_log.err").read_text()
         assert f"without {victim}" in log, log[-2000:]
     finally:
