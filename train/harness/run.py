@@ -65,7 +65,8 @@ class Task:
     @property
     def restart(self) -> Restart:
         """What a failure of this task asks of the job's step loop (:mod:`train.harness.restart`)."""
-        return Restart(self.run_dir, self.cfg.cluster.in_job_restarts, self.ctx, self.segment, self.watchdog)
+        return Restart(self.run_dir, self.cfg.cluster.in_job_restarts, self.ctx, self.segment, self.watchdog,
+                       spares=self.cfg.cluster.spare_nodes)  # not read from config.yaml while run.json says failed
 
     def write_metrics(self, row: MetricsRow | Mapping[str, Any]) -> None:
         """Append one metrics.jsonl row (the caller decides which rank writes); a restarted
@@ -206,7 +207,8 @@ def _watchdog(cfg: RunConfig, ctx, run_dir: Path, segment: int, log: Callable[[s
     def on_hang(report: Dict[str, Any]) -> None:
         record_hang(run_dir, report)
         stuck, hosts = report.get("stuck_ranks") or [None], report.get("stuck_hosts") or [None]
-        Restart(run_dir, cfg.cluster.in_job_restarts, ctx, segment, watchdog).ask(log, stuck[0], hosts[0])
+        Restart(run_dir, cfg.cluster.in_job_restarts, ctx, segment, watchdog, spares=cfg.cluster.spare_nodes).ask(
+            log, stuck[0], hosts[0])
 
     watchdog = Watchdog(run_dir, ctx.rank, ctx.node_rank, ctx.hostname, ctx.world_size, hang,
                         interval_s=heartbeat_interval(hang), on_hang=on_hang, startup_timeout_s=startup,

@@ -119,7 +119,7 @@ class _Task:
         again, which resumes from its own checkpoints (its steps are known only through
         ``train.session.log``)."""
         return Restart(self.run_dir, self.cfg.cluster.in_job_restarts, self.te, self.info["segments"] - 1, watchdog,
-                       steps_known=False)
+                       steps_known=False, spares=self.cfg.cluster.spare_nodes)
 
 
 def _prepare(run_dir: Path) -> Optional[_Task]:
