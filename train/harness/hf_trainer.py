@@ -17,13 +17,19 @@ over the steps since the previous row ``step_time_s``, ``samples_per_s`` and
 ``include_num_input_tokens_seen``, or TRL's ``num_tokens``); the log's other numbers
 (TRL's ``mean_token_accuracy``, ``entropy``, ...) are kept as extra fields.
 
-A requeued job's script resumes from its own checkpoint: the Trainer goes on at that
-checkpoint's ``global_step``, so steps logged before the preemption after that
-checkpoint are logged again by the later segment, and the readers keep the newest row
-of a step (:func:`launcher.track.scaling.stitch`), as for the built-in trainer.
+At the warning signal (USR2 before a time limit or a preemption) or SIGTERM, the same
+callback has every rank agree at the end of a step (:func:`train.session.should_stop`),
+has the Trainer save its checkpoint of that step (``control.should_save``) and ends the
+script once it is written (``on_save`` raises :class:`train.harness.preempt.Preempted`: the
+code after ``trainer.train()``, a final save or a push, does not run in a preempted
+segment); rank 0 then records the interruption and requeues the job, as for the
+built-in trainer. A requeued job's script resumes from its own last checkpoint (the
+script's ``resume_from_checkpoint``): the signal's step. Steps logged after the
+checkpoint a segment resumes from (a crash's) are logged again by the later segment, and
+the readers keep the newest row of a step (:func:`launcher.track.scaling.stitch`).
 
 ``STO_TRAINER_METRICS=0`` in the tasks' environment leaves the Trainer alone (a script
-that writes its own rows). Nothing here imports transformers or torch at module level.
+that writes its own rows or handles the signal itself). Nothing here imports transformers or torch at module level.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from typing import Any, Dict, Optional
 
 from spec.rundir import MetricsRow, perplexity
 from train import session
+from train.harness.preempt import Preempted
 
 ENV = "STO_TRAINER_METRICS"
 _MODULE = "transformers.trainer"
@@ -141,6 +148,7 @@ class TrainerRows:
         self._pending: Optional[Dict[str, Any]] = None  # a row that waits for its step's evaluation
         self._last_step = -1  # the last step this segment wrote
         self._warned = False
+        self._stopping = False  # a signal was agreed: the Trainer saves at this step, then the script ends
 
     # -- the Trainer's events ---------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -163,8 +171,21 @@ class TrainerRows:
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._guard(self._flush)
 
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The warning signal (a time limit's or a preemption's USR2) or SIGTERM on any rank:
+        # every rank agrees at this step (train.session.should_stop: one all-reduce of a
+        # number a step), the Trainer saves its checkpoint now, and on_save ends the script.
+        # Not guarded: a collective that fails here is the run's failure, not a metric's.
+        if not self._stopping and session.should_stop():
+            self._stopping = True
+            control.should_save = True
+            control.should_training_stop = True
+
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._guard(self._pause_ended, state)
+        if self._stopping:  # the checkpoint of the signal's step is written: nothing after it runs
+            self._guard(self._flush)
+            raise Preempted(f"stopped after the Trainer's checkpoint of step {state.global_step} (a signal)")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._guard(self._flush)

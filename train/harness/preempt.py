@@ -39,6 +39,13 @@ USR2_MARK_ENV = "STO_USR2_MARK"
 TIMEOUT_MARGIN_S = 60
 
 
+class Preempted(BaseException):
+    """Raised in a user's task whose code does not handle signals, when one comes
+    (train/harness/user.py); and by the Trainer's callback once its checkpoint of the agreed
+    signal's step is written (train/harness/hf_trainer.py). A BaseException: ``except
+    Exception`` in the code does not swallow it."""
+
+
 class PreemptionFlag:
     def __init__(self) -> None:
         self.signum: Optional[int] = None

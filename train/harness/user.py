@@ -50,14 +50,10 @@ from train import session
 from train.harness.groups import keep_destroyed_groups
 from train.harness.outcome import after_interruption, record_failure, refuse_start
 from train.harness import hf_trainer, restart
-from train.harness.preempt import PreemptionFlag, in_slurm_job
+from train.harness.preempt import Preempted, PreemptionFlag, in_slurm_job
 from train.harness.restart import Restart
 from train.harness.run import rank_logger
 from train.harness.watchdog import Watchdog, heartbeat_interval
-
-
-class Preempted(BaseException):
-    """Raised in a task whose code does not handle signals, when one comes."""
 
 
 class ExitStatus(RuntimeError):
@@ -235,11 +231,7 @@ def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:
             raise ExitStatus(f"{task.entry['path']} exited with status {code}")
     except BaseException as exc:
         flag.hook = None
-        if isinstance(exc, Preempted) or (flag.is_set and not state.asked):
-            # After a signal the code did not handle, a peer that left makes this rank's
-            # collectives fail: that is the interruption, not a failure of the run.
-            log.info(f"interrupted by a signal ({type(exc).__name__}); the code did not ask "
-                     "(train.session.should_stop)")
+        if _ended_by_signal(exc, task, state, flag):
             return 0
         record_failure(exc, run_dir, te.rank, te.world_size, log, watchdog.interval_s, task.restart(watchdog))
         if isinstance(exc, ExitStatus):
@@ -252,6 +244,24 @@ def run_user(run_dir: str | Path, flag: Optional[PreemptionFlag] = None) -> int:
     if te.rank == 0:
         _record_end(task, state.stop or state.requeue, flag)
     return 0
+
+
+def _ended_by_signal(exc: BaseException, task: _Task, state: Any, flag: PreemptionFlag) -> bool:
+    """Whether the code's exception ``exc`` is the interruption, not a failure: the code
+    saved at the agreed signal and ended (a Trainer's callback raises Preempted after its
+    checkpoint: rank 0 records it as a returning code's would be), or the signal came and
+    the code did not ask (Preempted from the hook, or a peer that left breaks this rank's
+    collectives)."""
+    if isinstance(exc, Preempted) and state.stop:
+        task.log.info(f"interrupted by a signal: {exc}")
+        if task.te.rank == 0:
+            _record_end(task, True, flag)
+        return True
+    if isinstance(exc, Preempted) or (flag.is_set and not state.asked):
+        task.log.info(f"interrupted by a signal ({type(exc).__name__}); the code did not ask "
+                      "(train.session.should_stop)")
+        return True
+    return False
 
 
 def _record_end(task: _Task, interrupted: bool, flag: PreemptionFlag) -> None:
