@@ -180,3 +180,26 @@ def test_chat_data_over_two_data_parallel_ranks_equals_one(tmp_path):
     torch.testing.assert_close((l0 + l1) / 2, whole, rtol=1e-5, atol=1e-6)
     for a, b, ref in zip(g0, g1, g):
         torch.testing.assert_close((a + b) / 2, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_every_chunk_but_the_last_is_recomputed_in_the_backward():
+    """The head runs once per chunk in the forward, and again in the backward for every
+    chunk but the last (its logits are kept: its backward comes first); the gradient is
+    the whole logits' either way."""
+    from train.loss import chunked_head_loss, loss_sum
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 32, bias=False)
+    calls = []
+    head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    h = torch.randn(2, 12, 8, requires_grad=True)
+    targets = torch.randint(0, 32, (2, 12))
+    for chunk, expected in ((24, [24]), (10, [10, 10, 4, 10, 10])):
+        calls.clear()
+        h.grad = None
+        chunked_head_loss(head, h, targets, chunk).backward()
+        assert calls == expected, (chunk, calls)
+        got = h.grad.clone()
+        h.grad = None
+        loss_sum(head(h), targets).backward()
+        torch.testing.assert_close(got, h.grad)

@@ -44,12 +44,20 @@ def _chunk_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torc
 
 def chunked_head_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
     """``loss_sum(head(h), targets)`` computed ``chunk`` tokens at a time (h [..., dim],
-    targets [...]); ``head`` is called as a module (its hooks run: DDP, FSDP, ZeRO)."""
+    targets [...]); ``head`` is called as a module (its hooks run: DDP, FSDP, ZeRO).
+    Every chunk but the last is checkpointed (its logits recomputed in the backward); the
+    last one's are kept: nothing runs between its forward and its backward, which comes
+    first, so keeping them adds nothing to the peak and saves a recompute of the head
+    (all of it when the micro-batch is one chunk)."""
     flat, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     total = torch.zeros((), device=h.device, dtype=torch.float32)
-    for start in range(0, flat.shape[0], chunk):
-        piece = flat[start:start + chunk]
-        total = total + checkpoint(_chunk_loss, head, piece, tgt[start:start + chunk], use_reentrant=False)
+    starts = range(0, flat.shape[0], chunk)
+    for start in starts:
+        piece, piece_targets = flat[start:start + chunk], tgt[start:start + chunk]
+        if start == starts[-1]:
+            total = total + _chunk_loss(head, piece, piece_targets)
+        else:
+            total = total + checkpoint(_chunk_loss, head, piece, piece_targets, use_reentrant=False)
     return total
 
 
