@@ -150,6 +150,12 @@ START_ERRORS = ("ImportError", "ModuleNotFoundError", "SyntaxError", "FileNotFou
                 "IsADirectoryError", "PermissionError", "ConfigError", "DeviceError")
 
 
+def _numbers_aside(error: Any) -> str:
+    """An error's text with its numbers left out: the same failure again, though a port,
+    an address or a size in its message differs (a rendezvous on the next start's port)."""
+    return re.sub(r"\d+", "#", str(error or ""))
+
+
 def restart_refusal(entries: Sequence[Mapping[str, Any]], failure: Optional[str], error: str, step: int,
                     job_id: str, budget: int, started: Optional[bool], spare: bool = False) -> Optional[str]:
     """Whether a failed segment of job ``job_id`` is started again inside the job: None
@@ -172,6 +178,6 @@ def restart_refusal(entries: Sequence[Mapping[str, Any]], failure: Optional[str]
     used = [e for e in entries if str(e.get("job_id")) == str(job_id)]
     if len(used) >= budget:
         return f"restart budget spent: cluster.in_job_restarts={budget}"
-    if used and used[-1].get("error") == error and used[-1].get("step") == step:
+    if used and _numbers_aside(used[-1].get("error")) == _numbers_aside(error) and used[-1].get("step") == step:
         return f"crash loop: the same error at step {step} as before the last restart"
     return None

@@ -48,6 +48,8 @@ def entry(step=7, error=ERROR, job="41"):
     ([entry(), entry(step=9)], None, ERROR, 11, 2, True, "restart budget spent: cluster.in_job_restarts=2"),
     ([entry()], None, ERROR, 7, 3, True, "crash loop: the same error at step 7"),
     ([], "rendezvous", "DistNetworkError: EADDRINUSE", 0, 3, None, None),  # the next srun's port differs
+    ([entry(0, "DistNetworkError: port: 25041, EADDRINUSE")], "rendezvous", "DistNetworkError: port: 29140, EADDRINUSE",
+     0, 3, None, "crash loop: the same error at step 0"),  # twice in a row: not the port's luck
 ])
 def test_which_failures_are_restarted_inside_the_job(entries, failure, error, step, budget, started, why):
     got = restart_refusal(entries, failure, error, step, "41", budget, started)
