@@ -162,8 +162,9 @@ def rendezvous_failed(exc: BaseException, run_dir: Path, identity: Any, segment:
     """This task could not join the job's process group: run.json ``failed`` with
     ``failure: rendezvous`` (unless a finished status or a stronger failure stands). Inside
     a step loop the job starts its ranks again (``budget``: ``cluster.in_job_restarts``):
-    the next step's port differs (slurm.env.rendezvous_port). Else the job is ended: its
-    other tasks would wait for this one in the rendezvous until ``train.dist_timeout_s``.
+    the next step's port differs (slurm.env.rendezvous_port). Else a job whose srun step
+    this is is ended: its other tasks would wait for this one in the rendezvous until
+    ``train.dist_timeout_s``.
     ``identity``: this task's (:func:`slurm.env.task_identity` before the rendezvous, which
     leaves torchrun's variables behind); ``segment``: run.json's ``segments`` (the segment
     this start would have been)."""
@@ -180,7 +181,9 @@ def rendezvous_failed(exc: BaseException, run_dir: Path, identity: Any, segment:
         status_of(info) is not Status.RESTARTING and outranks(failure_class(info), RENDEZVOUS)), **fields)
     if request(run_dir, budget, identity, segment, 0, None, log.error, rank, host, spares=0):
         return
-    if preempt.current_job_id() is not None and status_of(read_run_json(run_dir)) is Status.FAILED:
+    # Our own srun step only: under torchrun its agent restarts the workers itself.
+    if identity.launcher == "srun" and preempt.current_job_id() is not None and \
+            status_of(read_run_json(run_dir)) is Status.FAILED:
         preempt.cancel(run_dir, f"rank {rank} could not join the process group")
 
 
