@@ -28,6 +28,8 @@ takes ~50-200 ms a step on 2 CPU ranks with one thread each.
 
     .venv/bin/python bench/overhead.py [--strategies ddp,fsdp --repeats 3 --steps 30 --warmup 5]
         [--ours-override train.gc_every_steps=0]   (our side with a setting changed)
+        [--profile]   (no timing: torch.profiler on rank 0 of one run of each side, steps W+1..W+10,
+                       and the ops whose summed times differ most, in ms a step)
 """
 from __future__ import annotations
 
@@ -123,7 +125,47 @@ def bare(strategy: str, args: argparse.Namespace, work: Path, env: dict, tag: st
     return summarise(res["tokens_per_step"], t[args.warmup], t[args.steps], walls, args)
 
 
-def bare_worker(strategy: str, config: str, result: str) -> None:
+PROFILED = 10  # --profile: steps W+1..W+10
+
+
+def op_times(paths: list) -> dict:
+    """Summed durations (us) by name of the CPU ops and annotations in Chrome traces."""
+    import gzip
+
+    totals: dict = {}
+    for path in paths:
+        with (gzip.open if str(path).endswith(".gz") else open)(path, "rt") as f:
+            events = json.load(f)["traceEvents"]
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation") \
+                    and not str(e.get("name", "")).startswith("ProfilerStep#"):
+                totals[e["name"]] = totals.get(e["name"], 0) + e.get("dur", 0)
+    return totals
+
+
+def profile_pair(strategy: str, args: argparse.Namespace, work: Path, env: dict) -> None:
+    """One run of each side under torch.profiler (rank 0, steps W+1..W+10): the ops whose
+    summed times differ most, per step. Ours through its own profile.steps (train/profiling.py)."""
+    first, last = args.warmup + 1, args.warmup + PROFILED
+    run_dir = make_run_dir(strategy, args, work, env, f"ours-profile-{strategy}",
+                           (*args.ours_override, f"profile.steps=[{first},{last}]", "profile.ranks=[0]"))
+    torchrun(["-m", "train", str(run_dir)], env, work / f"ours-profile-{strategy}.out")
+    mine = op_times(sorted((run_dir / "profile").glob("step_*/rank0.json*")))
+    cfg_dir = make_run_dir(strategy, args, work, env, f"bare-profile-cfg-{strategy}")
+    trace = work / f"bare-profile-{strategy}.json"
+    torchrun([str(Path(__file__).resolve()), "--bare-worker", "--strategy", strategy, "--config",
+              str(cfg_dir / "config.yaml"), "--result", str(work / "unused.json"), "--profile-out", str(trace),
+              "--warmup", str(args.warmup)], env, work / f"bare-profile-{strategy}.out")
+    theirs = op_times([trace])
+    print(f"\n{strategy}: ops by |ours - bare| (ms a step, rank 0, steps {first}..{last}; nested ops count in their "
+          f"callers too)")
+    print(f"{'op':64s} {'ours':>8s} {'bare':>8s} {'diff':>8s}")
+    for name in sorted(set(mine) | set(theirs), key=lambda n: -abs(mine.get(n, 0) - theirs.get(n, 0)))[:25]:
+        a, b = mine.get(name, 0) / 1e3 / PROFILED, theirs.get(name, 0) / 1e3 / PROFILED
+        print(f"{name[:64]:64s} {a:8.2f} {b:8.2f} {a - b:+8.2f}")
+
+
+def bare_worker(strategy: str, config: str, result: str, profile_out: str | None = None, warmup: int = 5) -> None:
     """The hand-written loop (one rank under torchrun): what a user writes without the toolkit."""
     import gc
 
@@ -161,6 +203,12 @@ def bare_worker(strategy: str, config: str, result: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay)
     gen = torch.Generator().manual_seed(rank)
+    prof = None
+    if profile_out and rank == 0:  # --profile: steps warmup+1 .. warmup+PROFILED
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                      schedule=torch.profiler.schedule(wait=warmup, warmup=0, active=PROFILED,
+                                                                       repeat=1))
+        prof.start()
     times = [time.time()]
     for _ in range(t.steps):
         tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), generator=gen)
@@ -171,6 +219,11 @@ def bare_worker(strategy: str, config: str, result: str) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
         times.append(time.time())
+        if prof is not None:
+            prof.step()
+    if prof is not None:
+        prof.stop()
+        prof.export_chrome_trace(profile_out)
     if rank == 0:
         Path(result).write_text(json.dumps({"times": times, "tokens_per_step": t.micro_batch_size * world * t.seq_len,
                                             "final_loss": loss.item()}))
@@ -194,16 +247,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank, both sides")
     parser.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
                         help="a launcher override for our side only (e.g. train.gc_every_steps=0); repeatable")
+    parser.add_argument("--profile", action="store_true",
+                        help="no timing: profile one run of each side (rank 0, steps W+1..W+10) and print the ops "
+                             "whose times differ most")
+    parser.add_argument("--profile-out", help=argparse.SUPPRESS)
     parser.add_argument("--bare-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare_worker:
-        bare_worker(args.strategy, args.config, args.result)
+        bare_worker(args.strategy, args.config, args.result, args.profile_out, args.warmup)
         return
     if not 0 < args.warmup < args.steps:
         parser.error("need 0 < --warmup < --steps")
+    if args.profile and args.warmup + PROFILED > args.steps:
+        parser.error(f"--profile needs --steps >= --warmup + {PROFILED}")
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     for s in strategies:
         if s not in ("ddp", "fsdp"):
@@ -214,6 +273,11 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=pythonpath(), PYTHONUNBUFFERED="1",
                CUDA_VISIBLE_DEVICES="")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    if args.profile:
+        with tempfile.TemporaryDirectory(prefix="bench-overhead-", dir=os.environ.get("BENCH_DIR")) as tmp:
+            for s in strategies:
+                profile_pair(s, args, Path(tmp), env)
+        return
     results: dict[str, dict[str, list[dict]]] = {s: {"ours": [], "bare": []} for s in strategies}
     runners = {"ours": ours, "bare": bare}
     with tempfile.TemporaryDirectory(prefix="bench-overhead-", dir=os.environ.get("BENCH_DIR")) as tmp:
