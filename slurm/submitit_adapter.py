@@ -126,14 +126,14 @@ sto_kill_srun() {{  # the step's srun, $! (a subshell: srun is its child); /proc
   local kids; kids=$(cat /proc/"$1"/task/*/children 2>/dev/null) || kids=$(pgrep -P "$1" 2>/dev/null)
   kill -KILL $kids "$1" 2>/dev/null
 }}
-sto_end_step() {{  # $2: the step's srun ($!), $3: why
+sto_end_step() {{  # $1: the step's srun ($!), $2: why
   local step
   step=$(sto_slurm squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null |
     sed -n 's/^[0-9_]*[.]\\([0-9][0-9]*\\)$/\\1/p' | sort -n | tail -n 1)  # the newest step: this srun's
-  echo "$(date -u +%FT%TZ) $3: ending step ${{step:-?}} of job $sto_job" >&2
+  echo "$(date -u +%FT%TZ) $2: ending step ${{step:-?}} of job $sto_job" >&2
   # in the background: scancel answers after MessageTimeout when a node of the step is dead
   [ -n "$step" ] && {{ sto_slurm scancel --signal=KILL "$SLURM_JOB_ID.$step" 2>/dev/null & }}
-  sto_kill_srun "$2"
+  sto_kill_srun "$1"
 }}
 sto_request() {{
   local taken="$1/.{request}.taken" action nodes reason out
@@ -170,7 +170,8 @@ srun() {{
       kill $! 2>/dev/null
       sto_request "$dir" "$pid" && exit 0
       [ -e "$dir/{restart}" ] && waited=$((waited + 1))
-      [ "$waited" -ge {grace} ] && {{ sto_end_step "$dir" "$pid" "a task still runs {grace} s after the restart was asked"; break; }}
+      [ "$waited" -ge {grace} ] &&
+        {{ sto_end_step "$pid" "a task still runs {grace} s after the restart was asked"; break; }}
     done
     wait "$pid"
     code=$?
@@ -198,16 +199,16 @@ _SPARE_FUNCTIONS = """\
 sto_drop=  # the nodes this job's restarts dropped (RESTART's exclude=): srun --exclude"""
 _SPARE_EDITS = (
     ("srun() {{\n  local folder=\"${{@: -1}}\" code i=0 pid waited",
-     "srun() {{\n  local folder=\"${{@: -1}}\" code i=0 pid waited drop polls"),
+     "srun() {{\n  local folder=\"${{@: -1}}\" code i=0 pid waited drop"),
     ("    {restart_env}sto_slurm srun \"$@\" &",
      "    {restart_env}sto_slurm srun --nodes={nodes} --ntasks={ntasks} --overlap ${{sto_drop:+--exclude=$sto_drop}} "
      "\"$@\" &"),
-    ("    pid=$! waited=0\n", "    pid=$! waited=0 polls=0\n"),
-    ("      sto_request \"$dir\" \"$pid\" && exit 0\n",
-     "      sto_request \"$dir\" \"$pid\" && exit 0\n"
-     "      grep -q '^exclude=.' \"$dir/{restart}\" 2>/dev/null && polls=$((polls + 1))\n"
-     "      [ \"$polls\" -ge 2 ] && {{ sto_end_step \"$dir\" \"$pid\" \"the step asks for a restart without "
-     "$(sed -n 's/^exclude=//p' \"$dir/{restart}\")\"; break; }}\n"),
+    # RESTART is written whole (os.replace), its exclude= line with it: two polls that saw it
+    ("      [ -e \"$dir/{restart}\" ] && waited=$((waited + 1))\n",
+     "      [ -e \"$dir/{restart}\" ] && waited=$((waited + 1))\n"
+     "      [ \"$waited\" -ge 2 ] && grep -q '^exclude=.' \"$dir/{restart}\" 2>/dev/null && "
+     "{{ sto_end_step \"$pid\" \"the step asks for a restart without $(sed -n 's/^exclude=//p' \"$dir/{restart}\")\"; "
+     "break; }}\n"),
     ("    i=$((i + 1))\n",
      "    i=$((i + 1))\n    drop=$(sed -n 's/^exclude=//p' \"$dir/{restart}\")\n    sto_drop=${{drop:-$sto_drop}}\n"),
 )

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
-import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -230,15 +228,8 @@ def run_script(tmp_path: Path, overrides, fail_times: int, mark: bool = True, fo
     script = render_script(cfg, build_layout(cfg), run_dir, python="python", wrapper="/w.sh")
     if folder is not None:  # a job array's element: its folder is SWEEP/.arrays/UID/%a -> RUN_DIR/slurm
         script = script.replace(f"'{run_dir}/slurm'", f"'{folder}/%a'")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    client = "#!/bin/bash\necho \"$(basename \"$0\") $*\" >> \"$CALLS.slurm\"\n"
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", client), ("sinfo", client)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(stat.S_IRWXU)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"), "FAIL_TIMES": str(fail_times),
-           "MARK": str(run_dir / RESTART) if mark else "", "SLURM_JOB_ID": "41", "SLURM_ARRAY_TASK_ID": "3"}
-    proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    proc = run_step_loop(tmp_path, script, FAKE_SRUN, {"FAIL_TIMES": str(fail_times), "SLURM_ARRAY_TASK_ID": "3",
+                                                        "MARK": str(run_dir / RESTART) if mark else ""})
     calls = (tmp_path / "calls").read_text().splitlines()
     return proc.returncode, calls, proc.stderr, run_dir
 

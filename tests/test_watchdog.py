@@ -60,7 +60,7 @@ def test_sleeping_rank_is_detected_and_named(tmp_path):
 def test_heartbeats_follow_the_hang_timeout(tmp_path):
     """None without a watchdog; a sixtieth of the timeout, 1 to 30 s: a shared file system
     sees ranks/5 writes a second at the default 300 s, not one per rank."""
-    from train.harness.watchdog import heartbeat_interval
+    from spec.cluster import heartbeat_interval
 
     assert [heartbeat_interval(t) for t in (0, 30, 300, 1200, 7200)] == [0.0, 1.0, 5.0, 20.0, 30.0]
     dog = Watchdog(tmp_path, 0, 0, "h", 1, timeout_s=0, interval_s=0).start()

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 from slurm.env import task_identity
 from slurm.states import final
+from spec.cluster import heartbeat_interval
 from spec.config import RunConfig, to_run_config
 from spec.device import DeviceError
 from spec.validate import WATCHDOG_GRACE_S, validate
@@ -38,7 +39,7 @@ from train.harness.outcome import (is_rendezvous_error, mark_stderr, record_fail
                                    refuse_start, rendezvous_failed)
 from train.harness.preempt import PreemptionFlag
 from train.harness.restart import Restart
-from train.harness.watchdog import Watchdog, heartbeat_interval
+from train.harness.watchdog import Watchdog
 
 # Statuses after which a (re)started job does nothing: resubmission resets them.
 

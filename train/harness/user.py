@@ -41,6 +41,7 @@ from typing import Any, Dict, Optional
 
 from slurm.env import LOCAL_LAUNCH_ENV, expand_hostlist, task_identity
 from slurm.states import final, requeued
+from spec.cluster import heartbeat_interval
 from spec.config import RunConfig, to_run_config
 from spec.device import DeviceError
 from spec.layout import build_layout
@@ -53,7 +54,7 @@ from train.harness import hf_trainer, restart
 from train.harness.preempt import Preempted, PreemptionFlag, in_slurm_job
 from train.harness.restart import Restart
 from train.harness.run import rank_logger
-from train.harness.watchdog import Watchdog, heartbeat_interval
+from train.harness.watchdog import Watchdog
 
 
 class ExitStatus(RuntimeError):

@@ -1,6 +1,6 @@
 """Hang watchdog: detect a step that never ends, name the ranks that hold it up, exit.
 
-Every rank runs a small thread that, every few seconds (:func:`heartbeat_interval`),
+Every rank runs a small thread that, every few seconds (:func:`spec.cluster.heartbeat_interval`),
 writes the rank's heartbeat (``RUN_DIR/heartbeat/rank{R}.json``: step, phase, host, last
 progress) and checks how long ago the rank last completed a step. The main thread only
 sets two attributes per phase, so the cost is nil. When no step has completed for ``cluster.hang_timeout_s``
@@ -41,7 +41,6 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from spec.cluster import heartbeat_interval  # noqa: F401 - the harness imports it from here
 from spec.rundir import STACK_NOW, STACKS
 
 HANG_EXIT = 75
