@@ -79,7 +79,7 @@ def test_peers_do_the_same_work(shape, groups):
 def test_restart_without_records_the_slow_ranks_node_and_keeps_the_step(tmp_path):
     """A real 2-rank run, rank 1 slowed alone: named after 10 steps, the step saved, the run
     failed as a straggler with its node as suspect (on Slurm: a spare or a requeue without it)."""
-    proc = launcher(["cluster.gpus_per_node=2", "train.steps=30", "fault.step_delay_s=0.15", "fault.step_delay_rank=1",
+    proc = launcher(["cluster.gpus_per_node=2", "train.steps=30", "fault.step_delay_s=0.4", "fault.step_delay_rank=1",
                      "train.straggler_action=restart_without"], cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     run_dir = run_dir_of(proc.stdout)
