@@ -49,3 +49,51 @@ def test_epochs_wrap_with_a_new_order(tmp_path):
     first = loader.next_step()[0][0]
     loader.load_state_dict({"step": per_epoch})
     assert not torch.equal(loader.next_step()[0][0], first)
+
+
+def _take(loader, steps):
+    return [[tuple(t.tolist() for t in micro) for micro in loader.next_step()] for _ in range(steps)]
+
+
+def test_batches_read_ahead_are_the_batches_of_the_next_step_and_leave_the_position(tmp_path):
+    plain = _take(_loader(tmp_path, accum=2), 3)
+    ahead = _loader(tmp_path, accum=2)
+    got = []
+    for _ in range(3):
+        before = ahead.state_dict()
+        ahead.prefetch()
+        ahead.prefetch()  # a second call reads nothing new
+        assert ahead.state_dict() == before  # a checkpoint taken now is the last step's
+        got += _take(ahead, 1)
+    assert got == plain
+    # A checkpoint of a loader that read ahead resumes at the step after the last one taken.
+    ahead.prefetch()
+    again = _loader(tmp_path, accum=2)
+    again.load_state_dict(ahead.state_dict())
+    assert _take(again, 1) == _take(ahead, 1)
+
+
+def test_batches_read_ahead_are_dropped_when_the_position_changes(tmp_path):
+    first = _loader(tmp_path)
+    expected = _take(_loader(tmp_path), 1)
+    first.next_step()
+    first.prefetch()  # read at step 1
+    first.load_state_dict({"step": 0, "samples": 0})  # a restore moves the position back
+    assert _take(first, 1) == expected
+
+
+def test_pinned_batches_when_asked(tmp_path, monkeypatch):
+    pinned = []
+
+    def pin_memory(self):  # this CPU build cannot pin; the loader asks for it
+        pinned.append(tuple(self.shape))
+        return self.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    loader = _loader(tmp_path, micro=2, accum=2)
+    loader.next_step()
+    assert pinned == []
+    loader.pin = True
+    loader.prefetch()
+    assert pinned == [(2, 16)] * 4  # inputs and targets of both micro-batches
+    assert len(loader.next_step()) == 2 and len(pinned) == 4  # handed out, not read twice

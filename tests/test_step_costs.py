@@ -6,7 +6,14 @@ gloo ranks forked warm (tests/warm.py):
 - HSDP all-reduces across its replicas once a step, at the last micro-batch of an
   accumulation, not at each (FSDP keeps the earlier reduce-scattered sums until then).
 That the steps still train like one process is tests/test_strategies.py's (its HSDP case
-accumulates)."""
+accumulates).
+
+And what the loop around the step costs the host, on the trainer itself (one rank):
+
+- the step's loss and grad norm reach the step's all-gather on the device: the host reads
+  neither (``.item()``), only the gathered table, once a step;
+- every step after the first runs on batches read while the step before it was queued
+  (``ShardedLoader.prefetch``; page-locked on CUDA: tests/test_data.py)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import warm
+from conftest import run_dir_of
 from helpers import compose_run
 from launcher.local import free_port
 
@@ -73,3 +81,57 @@ def test_ddp_broadcasts_no_buffer_before_its_forwards(tmp_path):
 def test_hsdp_replicas_all_reduce_once_a_step_whatever_the_accumulation(tmp_path):
     for one, two in _steps(tmp_path, ["+strategy=hsdp"]):  # 2 replicas of 1 shard
         assert one["all_reduce"] > 0 and two["all_reduce"] == one["all_reduce"], (one, two)
+
+
+def train_watching_reads(rank: int, run_dir: str, out: str) -> None:
+    """The trainer in this process; the loss and grad norm each step returns are marked, and
+    any host read of a marked tensor recorded, as is whether the loader's batches were read ahead."""
+    import torch
+
+    from train.data.loader import ShardedLoader
+    from train.main import run
+    from train.strategies import base
+
+    seen = {"reads": [], "read_ahead": []}
+    real_step = base.TorchEngine.train_step
+
+    def train_step(self, *args, **kwargs):
+        loss, norm = real_step(self, *args, **kwargs)
+        loss.sto_watched, norm.sto_watched = "loss", "grad_norm"
+        return loss, norm
+
+    def watching(name, real):
+        def read(self, *args, **kwargs):
+            if getattr(self, "sto_watched", None):
+                seen["reads"].append(f"{self.sto_watched}.{name}")
+            return real(self, *args, **kwargs)
+        return read
+
+    for name in ("item", "tolist", "__float__", "cpu", "numpy"):
+        setattr(torch.Tensor, name, watching(name, getattr(torch.Tensor, name)))
+    real_next = ShardedLoader.next_step
+
+    def next_step(self):
+        seen["read_ahead"].append(self._ahead is not None and self._ahead[0] == self.state.samples)
+        return real_next(self)
+
+    base.TorchEngine.train_step = train_step
+    ShardedLoader.next_step = next_step
+    code = run(run_dir)
+    Path(out).write_text(json.dumps({"code": code, **seen}))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_host_reads_a_step_once_and_its_batches_ahead(tmp_path, strategy):
+    prep = warm.launcher([f"+strategy={strategy}", "train.steps=4", "train.seq_len=16", "data.num_tokens=20000",
+                          f"data.cache_dir={tmp_path}/d", "cluster.gpus_per_node=1", "launcher.dry_run=true"],
+                         cwd=tmp_path)
+    assert prep.returncode == 0, prep.stdout + prep.stderr
+    run_dir = run_dir_of(prep.stdout)
+    proc = warm.call_ranks(train_watching_reads, 1, (str(run_dir), str(tmp_path / "out.json")), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out == {"code": 0, "reads": [], "read_ahead": [False, True, True, True]}
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the values still reach the metrics
+    assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rows)

@@ -167,13 +167,19 @@ def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm:
     train/profiling.py) decisions and step times
     (train/steptimes.py), so every rank takes the same branch after it. Sums run in rank
     order on every rank: unlike an all-reduce, whose summation order may vary, the logged
-    loss is bitwise reproducible."""
+    loss is bitwise reproducible.
+
+    The step's one read of the device by the host is the gathered table: the loss and the
+    grad norm join the host's values on the device (no ``.item()`` of either), and on CUDA
+    the step clock's wait for the step's last kernel (train/steptimes.py: every rank's busy
+    time is its device time, what the straggler scores compare) comes first."""
     ctx, flag = task.ctx, task.flag
     reserved = engine.peak_reserved_bytes()
-    values = [loss.item(), grad_norm.item(), engine.peak_memory_bytes(), flag.code, float(save_due),
-              -1.0 if reserved is None else reserved, float(profile_due)]
     task.faults.at_step_end(step, task.watchdog)
-    local = torch.tensor(values + clock.arrive(), dtype=torch.float64, device=loss.device)
+    host = [engine.peak_memory_bytes(), flag.code, float(save_due), -1.0 if reserved is None else reserved,
+            float(profile_due)] + clock.arrive()
+    local = torch.cat([torch.stack([loss.detach().reshape(()), grad_norm.detach().reshape(())]).to(torch.float64),
+                       torch.tensor(host, dtype=torch.float64).to(loss.device)])
     gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
     task.watchdog.phase(COLLECTIVE, step)
     dist.all_gather(gathered, local)
@@ -246,6 +252,7 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
     clock = StepClock(ctx.device)
     t = cfg.train
     stragglers = Stragglers(t.straggler_score, t.straggler_steps, t.straggler_min_s, groups=peers(task.layout))
+    loader.pin = ctx.device.type == "cuda"
     for step in range(first, cfg.train.steps):
         if cfg.train.gc_every_steps > 0 and step % cfg.train.gc_every_steps == 0:
             gc.collect(1)
@@ -259,6 +266,8 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         clock.data_ready()
         loss, grad_norm = engine.train_step(batches, lr, loader.step_targets / loader.dp_size)  # train/loss.py
         clock.computed()
+        if step + 1 < cfg.train.steps:
+            loader.prefetch()  # while the device runs the step (train/data/loader.py)
         agreed = _agree(task, engine, step, loss, grad_norm, _save_due(task, last_save), clock, profiler.asked())
         dt = time.perf_counter() - t0
         val = evaluator.run(engine) if evaluator.due(step + 1) else None

@@ -3,7 +3,8 @@
 Each rank times its step in four parts, cheaply (a few ``perf_counter`` calls; on CUDA
 three events whose times are read after the step's own sync):
 
-- ``data_s``: the loader's batches for the step;
+- ``data_s``: the loader's batches for the step (what is left of it: the loop reads the
+  next step's batches ahead, while the device runs this one, and that time is busy time);
 - ``fwd_bwd_s``: forward and backward of every micro-batch (with the collectives inside
   them: FSDP's gathers, DDP's gradient all-reduce);
 - ``optim_s``: grad-norm clipping and the optimizer step (the engine marks where it

@@ -151,6 +151,10 @@ class ShardedLoader:
         self.step_targets = self.global_batch * seq_len
         self.trace: Optional[Path] = None
         self._perms: Dict[int, np.ndarray] = {}
+        # Page-locked micro-batches (the loop sets it on CUDA): their non_blocking copies to
+        # the device are asynchronous DMA, where copies from pageable memory hold the host.
+        self.pin = False
+        self._ahead: Optional[tuple] = None  # prefetch(): (samples it was read at, ids, micro-batches)
 
     #: What one sample is, for messages.
     unit = "windows"
@@ -190,20 +194,39 @@ class ShardedLoader:
         per_rank = self.micro_batch * self.grad_accum
         return self.stream(self.state.samples + self.dp_rank * per_rank, per_rank)
 
+    def prefetch(self) -> None:
+        """Read the next step's micro-batches now, without moving the data position: the
+        training loop calls it once a step's work is queued, so on a GPU the host reads (and
+        pins) the next batches while the device still runs the step, not between the step's
+        end and the next one's start. :meth:`next_step` hands them out; until then the state
+        (and a checkpoint of it) is the last step's."""
+        if self._ahead is None or self._ahead[0] != self.state.samples:
+            ids = self._window_ids()
+            self._ahead = (self.state.samples, ids, self._micro(ids))
+
+    def _micro(self, ids: np.ndarray) -> list[tuple[torch.Tensor, ...]]:
+        columns = self._rows(ids)  # (inputs, targets), packed chat data: and positions
+        micro = []
+        for k in range(self.grad_accum):
+            part = slice(k * self.micro_batch, (k + 1) * self.micro_batch)
+            micro.append(tuple(c[part].contiguous().pin_memory() if self.pin else c[part].contiguous() for c in columns))
+        return micro
+
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The grad_accum micro-batches of the next optimizer step; advances the state."""
-        ids = self._window_ids()
+        """The grad_accum micro-batches of the next optimizer step (:meth:`prefetch`'s when it
+        read them at this position); advances the state."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == self.state.samples:
+            _, ids, micro = ahead
+        else:
+            ids = self._window_ids()
+            micro = self._micro(ids)
         if self.trace is not None:
             with open(self.trace, "a") as f:
                 f.write(f"{self.state.step + 1} {' '.join(map(str, ids.tolist()))}\n")
         self.step_targets = self._count_targets(self.state.samples)
         self.state.step += 1
         self.state.samples += self.global_batch
-        columns = self._rows(ids)  # (inputs, targets), packed chat data: and positions
-        micro = []
-        for k in range(self.grad_accum):
-            part = slice(k * self.micro_batch, (k + 1) * self.micro_batch)
-            micro.append(tuple(c[part].contiguous() for c in columns))
         return micro
 
     def sample_kind(self) -> str:
@@ -224,6 +247,7 @@ class ShardedLoader:
         if kind is not None and kind != self.sample_kind():
             raise ValueError(f"the checkpoint's data position counts {kind}, this run's data {self.sample_kind()}: "
                              "resume with the data.packing and train.seq_len it was saved with")
+        self._ahead = None
         self.state.step = int(state["step"])
         samples = state.get("samples")
         self.state.samples = int(samples) if samples is not None else self.state.step * self.global_batch

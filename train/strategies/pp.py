@@ -117,13 +117,19 @@ class PipelineEngine(DCPState):
         self.autocast = autocast
         self._last_rank = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
 
+    def _joined(self, batches: List[Batch]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The step's inputs and targets on the device, every micro-batch in one tensor (the
+        schedule splits them again): each copied as the loader gave it (page-locked on CUDA,
+        so the copy does not hold the host), joined there."""
+        return (torch.cat([x.to(self.device, non_blocking=True) for x, _ in batches]),
+                torch.cat([y.to(self.device, non_blocking=True) for _, y in batches]))
+
     def train_step(self, micro_batches: Iterable[Batch], lr: float,
                    share: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Returns (this dp rank's part of the loss, global grad norm before clipping) on every rank."""
         batches = list(micro_batches)
         self.share_loss.share = divisor(batches, share)
-        inputs = torch.cat([x for x, _ in batches]).to(self.device, non_blocking=True)
-        targets = torch.cat([y for _, y in batches]).to(self.device, non_blocking=True)
+        inputs, targets = self._joined(batches)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         losses: List[torch.Tensor] = []
@@ -149,8 +155,7 @@ class PipelineEngine(DCPState):
         """The schedule's forward-only pass; the last stage's loss, sent to every stage."""
         batches = list(micro_batches)
         self.share_loss.share = divisor(batches, share)
-        inputs = torch.cat([x for x, _ in batches]).to(self.device, non_blocking=True)
-        targets = torch.cat([y for _, y in batches]).to(self.device, non_blocking=True)
+        inputs, targets = self._joined(batches)
         losses: List[torch.Tensor] = []
         amp = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
                else contextlib.nullcontext())
