@@ -253,8 +253,12 @@ class TorchEngine(DCPState):
 
     def clip(self, params: List[nn.Parameter]) -> torch.Tensor:
         """Clip the gradients of ``params`` to ``optim.grad_clip`` (0: no clipping); the
-        global norm before clipping, a plain tensor."""
-        return torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+        global norm before clipping, a plain tensor. ``clip_grad_norm_``'s own two steps,
+        with one reduction of DTensor shards' norms (FSDP2, TP: :func:`total_grad_norm`)."""
+        norm = total_grad_norm(params)
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
+        return norm
 
     def eval_loss(self, micro_batches: Iterable[Batch], share: Optional[float] = None) -> torch.Tensor:
         return forward_loss(self.module, micro_batches, self.device, self._autocast, share)

@@ -30,18 +30,7 @@ from spec.config import RunConfig
 from spec.layout import Layout
 from train.mesh import dp_mesh
 from train.model import Transformer
-from train.strategies.base import EngineBuilder, TorchEngine, build_adamw, compute_dtype, total_grad_norm
-
-
-class DTensorEngine(TorchEngine):
-    """TorchEngine over DTensor parameters (FSDP2, TP): one reduction of the shards' norms
-    per step, for the clip and the reported norm alike (:func:`total_grad_norm`)."""
-
-    def clip(self, params: List[nn.Parameter]) -> torch.Tensor:
-        norm = total_grad_norm(params)
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
-        return norm
+from train.strategies.base import EngineBuilder, TorchEngine, build_adamw, compute_dtype
 
 
 def apply_fsdp(model: Transformer, cfg: RunConfig, layout: Layout, mesh: DeviceMesh, device: torch.device) -> None:
@@ -59,16 +48,16 @@ def apply_fsdp(model: Transformer, cfg: RunConfig, layout: Layout, mesh: DeviceM
     fully_shard(model, mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
-def dtensor_engine(part: nn.Module, cfg: RunConfig, device: torch.device) -> DTensorEngine:
+def dtensor_engine(part: nn.Module, cfg: RunConfig, device: torch.device) -> TorchEngine:
     """AdamW over one materialised part whose parameters are DTensors (FSDP, TP)."""
-    return DTensorEngine(part, build_adamw(part, cfg.optim, device), cfg, device)
+    return TorchEngine(part, build_adamw(part, cfg.optim, device), cfg, device)
 
 
 class FSDPBuilder(EngineBuilder):
     def shard(self, model: nn.Module) -> None:
         apply_fsdp(model, self.cfg, self.layout, self.mesh, self.ctx.device)
 
-    def finish(self, parts: List[nn.Module]) -> DTensorEngine:
+    def finish(self, parts: List[nn.Module]) -> TorchEngine:
         engine = dtensor_engine(parts[0], self.cfg, self.ctx.device)
         # The mixed-precision policy already casts parameters for compute; autocast on top
         # would only add casts. Gradient accumulation needs no no_sync: each micro-batch's

@@ -30,8 +30,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel, parallelize_module)
 
 from train.model import Transformer
-from train.strategies.base import EngineBuilder
-from train.strategies.fsdp import DTensorEngine, dtensor_engine
+from train.strategies.base import EngineBuilder, TorchEngine
+from train.strategies.fsdp import dtensor_engine
 
 
 def root_plan(vocab_parallel: bool = False) -> Dict[str, ParallelStyle]:
@@ -84,5 +84,5 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, vocab_parallel: bool = Fal
 class TPBuilder(EngineBuilder):
     """Tensor parallel only (no data parallel): the preparation applied the plan already."""
 
-    def finish(self, parts: List[nn.Module]) -> DTensorEngine:
+    def finish(self, parts: List[nn.Module]) -> TorchEngine:
         return dtensor_engine(parts[0], self.cfg, self.ctx.device)
