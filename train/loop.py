@@ -271,16 +271,8 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         agreed = _agree(task, engine, step, loss, grad_norm, _save_due(task, last_save), clock, profiler.asked())
         dt = time.perf_counter() - t0
         val = evaluator.run(engine) if evaluator.due(step + 1) else None
-        if ctx.is_main and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps or val is not None):
-            row = meter.row(step, lr, agreed, dt, task.segment, val, epoch=loader.state.samples / loader.num_windows)
-            task.write_metrics(row)
-            tracking.log(row)
-            log(f"step {step + 1}/{cfg.train.steps} loss {agreed.loss:.4f} tokens/s "
-                f"{meter.tokens_per_step / dt:.0f} step {dt * 1000:.1f} ms")
-        if cfg.train.steptimes_file and ctx.is_main:
-            with open(task.run_dir / STEPTIMES, "a") as f:
-                f.write(json.dumps({"step": step + 1, "segment": task.segment, "fields": FIELDS,
-                                    "ranks": agreed.times}) + "\n")
+        if ctx.is_main:
+            _report(task, meter, tracking, step, lr, agreed, dt, val, loader.state.samples / loader.num_windows)
         if stragglers.update(agreed.times, step + 1):
             _stragglers(task, stragglers, step, ckpt, engine, loader)
         every = cfg.checkpoint.every_steps
@@ -303,6 +295,23 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         task.faults.after_step()
     ckpt.close()
     return Status.COMPLETED
+
+
+def _report(task: Task, meter: Meter, tracking: Tracking, step: int, lr: float, agreed: Agreed, dt: float,
+            val: Optional[float], epoch: float) -> None:
+    """Rank 0: the step's metrics row and log line (a logged step, the last, an evaluated
+    one) and, with train.steptimes_file, its per-rank times."""
+    cfg = task.cfg
+    if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps or val is not None:
+        row = meter.row(step, lr, agreed, dt, task.segment, val, epoch=epoch)
+        task.write_metrics(row)
+        tracking.log(row)
+        task.log(f"step {step + 1}/{cfg.train.steps} loss {agreed.loss:.4f} tokens/s "
+                 f"{meter.tokens_per_step / dt:.0f} step {dt * 1000:.1f} ms")
+    if cfg.train.steptimes_file:
+        with open(task.run_dir / STEPTIMES, "a") as f:
+            f.write(json.dumps({"step": step + 1, "segment": task.segment, "fields": FIELDS,
+                                "ranks": agreed.times}) + "\n")
 
 
 def _stragglers(task: Task, stragglers: Stragglers, step: int, ckpt: Checkpointer, engine: Engine,
