@@ -29,9 +29,9 @@ median over the steps after ``--warmup``; peak memory is its ``memory/max_active
 ``max_reserved(GiB)`` (the CUDA allocator's, reset every logged step), the max over those
 steps. MFU is OURS: ``tokens/s per GPU x spec.model_size.flops_per_token(cfg, seq_len) /
 peak`` with ``cfg`` the ModelConfig of the same dimensions (tied embeddings, as the
-project's llama3_1b) -- the formula of the built-in trainer's row, so the two rows' ratio
-is the ratio of their tokens/s; torchtitan's own figure (its untied head counted) is
-reported beside it.
+project's llama3_1b; the head's matmul counts tied or not, so the count is torchtitan's own
+for its untied model) -- the formula of the built-in trainer's row, so the two rows' ratio
+is the ratio of their tokens/s; torchtitan's own figure is reported beside it.
 
 Differences that stay: torchtitan 0.2.x's Llama 3 has no weight tying (the output head
 is its own 262M-parameter matrix at the 1B shape: same matmuls, more optimizer state);
@@ -95,7 +95,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--multiple-of", type=int, default=256)
     p.add_argument("--rope-theta", type=float, default=500000.0)
     p.add_argument("--untied", action="store_true",
-                   help="our FLOP formula without tied embeddings (default: tied, as conf/model/llama3_1b.yaml)")
+                   help="our ModelConfig without tied embeddings, as torchtitan's Llama 3 (default: tied, as "
+                        "conf/model/llama3_1b.yaml; the FLOPs a token are the same)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4, help="micro-batch per GPU (torchtitan local_batch_size)")
     p.add_argument("--steps", type=int, default=20)

@@ -64,9 +64,11 @@ def count_params(cfg: ModelConfig) -> int:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (PaLM's estimate, as torchtitan and train/metrics.py count):
-    6 x non-embedding parameters for the matmuls of forward + backward, plus
-    12 x layers x heads x head_dim x seq_len for the attention scores."""
-    n = count_params(cfg) - cfg.vocab_size * cfg.dim
+    6 x the parameters of the matmuls for forward + backward (all but the input embedding,
+    a lookup), plus 12 x layers x heads x head_dim x seq_len for the attention scores. A
+    head tied to the embedding shares its matrix and still multiplies by it: its 6 x vocab
+    x dim count whether or not the weights are tied (torchtitan's count of an untied model)."""
+    n = count_params(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * head_dim(cfg) * seq_len
 
 

@@ -186,6 +186,19 @@ def test_link_bandwidth_inside_and_across_nodes():
     assert link_gbps(cfg, layout, 16, 2) == 4 * 50
 
 
+def test_flops_per_token_count_the_heads_matmul_tied_or_not():
+    """PaLM's 6N + attention, N the matmuls' parameters: every one but the input embedding's
+    lookup. A tied head still multiplies by its (shared) matrix. Llama 3.2 1B at seq 2048:
+    torchtitan's count for the same shape (it does not tie) is 8.2202 GFLOP a token."""
+    tied = compose_run(["+model=llama3_1b"]).model
+    assert tied.tie_embeddings
+    untied = dataclasses.replace(tied, tie_embeddings=False)
+    attention = 12.0 * 16 * 32 * 64 * 2048
+    assert flops_per_token(tied, 2048) == flops_per_token(untied, 2048) == \
+        6.0 * (count_params(untied) - 128256 * 2048) + attention
+    assert flops_per_token(tied, 2048) == pytest.approx(8.2202e9, rel=1e-4)
+
+
 def test_step_time_on_fixed_inputs():
     cfg = compose_run(["+cluster=h100x8", "+model=llama3_8b", "+strategy=fsdp", *LONG])
     layout = build_layout(cfg)

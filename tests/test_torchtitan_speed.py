@@ -30,7 +30,9 @@ def test_default_model_is_the_speed_rows_llama3_1b():
         assert getattr(cfg, name) == getattr(ours, name), name
     assert ffn_hidden_dim(cfg) == 8192
     assert (args.seq_len, args.batch, args.precision, args.ac) == (2048, 4, "bf16", "none")
-    assert flops_per_token(cfg, 2048) == flops_per_token(ours, 2048) == pytest.approx(6.644e9, rel=1e-3)
+    assert flops_per_token(cfg, 2048) == flops_per_token(ours, 2048) == pytest.approx(8.2202e9, rel=1e-4)
+    # torchtitan's own count for its (untied) model at this shape: the head's matmul counts tied or not
+    assert flops_per_token(model_config(parse_args(["--untied"])), 2048) == flops_per_token(cfg, 2048)
     # torchtitan's Llama 3 (0.2.x) does not tie: its parameters are our untied count
     # (1,498,482,688, checked against torchtitan's model on the meta device)
     assert count_params(model_config(parse_args(["--untied"]))) == 1_498_482_688

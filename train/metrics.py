@@ -2,7 +2,8 @@
 
 MFU = achieved FLOP/s / (peak FLOP/s per GPU x GPUs). FLOPs per token follow the PaLM
 paper's estimate used by torchtitan (spec/model_size.py, shared with the planner):
-6 x (parameters without embeddings) for the dense matmuls of forward and backward, plus
+6 x (parameters but the input embedding's; a tied head's matrix counts) for the dense
+matmuls of forward and backward, plus
 12 x layers x heads x head_dim x seq_len for attention scores. Peak is the cluster
 group's dense bf16 figure; without one, MFU is null. Memory is each engine's report
 (:meth:`train.strategies.base.Engine.peak_memory_bytes`), by default
