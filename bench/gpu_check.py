@@ -31,7 +31,10 @@ slot still leaves what it did. Rows (one GPU is enough):
 - ``doctor``: ``python -m launcher.doctor`` on this machine;
 - ``speed/S`` (ddp, ddp+compile, fsdp+compile, zero2): Llama 3.2 1B, bf16, seq 2048, micro-batch
   4 on one GPU: the median tokens/s, MFU (against ``SPEED_PEAK_TFLOPS``, the H100/H200 dense
-  bf16 figure) and peak memory of the steps after the first five, from metrics.jsonl.
+  bf16 figure) and peak memory of the steps after the first five, from metrics.jsonl;
+- ``speed/torchtitan``: torchtitan's own trainer on the same model, batch, sequence and
+  compile (bench/torchtitan_speed.py), its MFU by our FLOP formula, and ddp+compile's
+  tokens/s over torchtitan's (issue 31 item 7: >= 1.0).
 
 With ``--dry`` no row runs: each launch row's command is checked by the launcher's own
 dry run (compose, layout, memory gate) and each check row's code is compiled, so the
@@ -219,7 +222,27 @@ def rows(scratch: Path) -> List[Row]:
         run_dir = scratch / f"speed_{name.replace('+', '_')}"
         out.append(Row(f"speed/{name}", launcher_argv(*GPU, *extra, *SPEED_RUN, f"launcher.run_dir={run_dir}"),
                        on_nccl, run_dir=run_dir, timeout_s=300.0, report=speed))
+    run_dir = scratch / "speed_torchtitan"  # the same model, batch, sequence and compile, torchtitan's loop
+    out.append(Row("speed/torchtitan", [sys.executable, str(REPO / "bench/torchtitan_speed.py"), "--compile",
+                                        "--peak-tflops", str(SPEED_PEAK_TFLOPS), "--out", str(run_dir / "dump"),
+                                        "--json", str(run_dir / "torchtitan.json")],
+                   exited_ok, launch=False, run_dir=run_dir, timeout_s=300.0, report=beside_torchtitan))
     return out
+
+
+def beside_torchtitan(row: Row) -> str:
+    """torchtitan's median tokens/s, MFU (our FLOP formula) and peak, and speed/ddp+compile's
+    tokens/s over it (issue 31's criterion: >= 1.0), when that row ran in this scratch."""
+    from statistics import median
+
+    from spec.rundir import read_metrics
+
+    titan = json.loads((row.run_dir / "torchtitan.json").read_text())
+    text = (f"torchtitan {titan['torchtitan']}: {titan['tokens_per_s']:,.0f} tokens/s, MFU {100 * titan['mfu']:.1f}%, "
+            f"step {titan['step_s']:.3f} s, peak reserved {titan['peak_reserved_gib']} GiB")
+    ours = [r["tokens_per_s"] for r in read_metrics(row.run_dir.parent / "speed_ddp_compile")
+            if r.get("tokens_per_s") and r["step"] > 5] if (row.run_dir.parent / "speed_ddp_compile").is_dir() else []
+    return text + (f"; ddp+compile / torchtitan {median(ours) / titan['tokens_per_s']:.3f}" if ours else "")
 
 
 def speed(row: Row) -> str:
@@ -389,7 +412,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT", str(REPO / "runs" / "gpu-check")))
     parser.add_argument("--only", nargs="*", default=None, help="row names or prefixes (engine, resume/fsdp, ...)")
-    parser.add_argument("--budget-s", type=float, default=330.0, help="rows not started by then are skipped")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="rows not started by then are skipped")
     parser.add_argument("--jobs", type=int, default=6,
                         help="rows sharing the GPU at a time (the speed rows always run alone, last)")
     parser.add_argument("--dry", action="store_true", help="build and check every command, run none (no GPU)")

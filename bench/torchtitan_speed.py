@@ -110,6 +110,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true", help="run on the CPU (gloo): the proof without a GPU")
     p.add_argument("--out", default=None, help="torchtitan's job.dump_folder (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write the result line to this file (rank 0)")
+    p.add_argument("--dry", action="store_true",
+                   help="no run, no torch or torchtitan import: print torchtitan's command line and our FLOPs a "
+                        "token (bench/gpu_check.py --dry checks its rows this way)")
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
@@ -356,7 +359,12 @@ def run(args: argparse.Namespace) -> Optional[Dict[str, object]]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    if args.dry:
+        print(json.dumps({"dry": True, "torchtitan_argv": titan_argv(args, args.out or "DUMP_FOLDER"),
+                          "flops_per_token": flops_per_token(model_config(args), args.seq_len)}))
+        return
+    run(args)
 
 
 if __name__ == "__main__":

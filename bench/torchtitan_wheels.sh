@@ -35,8 +35,10 @@ for spec in "${titan[@]}" "${mine[@]}"; do
   rm -f "$OUT/${name//-/_}"-*.whl "$OUT/$name"-*.whl  # older copies of its own wheels only
 done
 # protobuf: its pure-Python wheel (py3-none-any), not a CPython build of this machine
+new=$(mktemp -d); trap 'rm -rf "$new"' EXIT
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py --abi none \
-  --platform any -d "$OUT" "${titan[@]}" "${mine[@]}"
-ls "$OUT"/*.whl | grep -v -- '-py3-none-any.whl$' && { echo "torchtitan-wheels: a wheel above is not pure Python" >&2; exit 1; }
+  --platform any -d "$new" "${titan[@]}" "${mine[@]}"
+ls "$new"/*.whl | grep -v -- '-py3-none-any.whl$' && { echo "torchtitan-wheels: a wheel above is not pure Python" >&2; exit 1; }
+mv "$new"/*.whl "$OUT"/
 du -sh "$OUT"
 ls "$OUT"

@@ -16,7 +16,7 @@ ROWS = {"health", "binding/task", "binding/node", "hf/zero3", "hf/zero3:write", 
         "train/packed", "train/packed:data", "packed/equal",
         "accelerate/fsdp", "doctor", "resume/fsdp", "resume/fsdp:crash", "resume/zero2", "resume/zero2:crash",
         *(f"engine/{s}" for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "pp")),
-        *(f"speed/{s}" for s in ("ddp", "ddp+compile", "fsdp+compile", "zero2"))}
+        *(f"speed/{s}" for s in ("ddp", "ddp+compile", "fsdp+compile", "zero2", "torchtitan"))}
 
 
 def _gpu_check(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -107,3 +107,23 @@ def test_rows_sharing_the_gpu_keep_their_order_and_the_speed_rows_run_alone_last
     assert order.index("engine/zero2") < order.index("resume/zero2")
     assert order.index("engine/ddp") < order.index("engine/zero2")  # did not wait for it
     assert order[-2:] == ["speed/a", "speed/b"]
+
+
+def test_the_torchtitan_row_reports_ddp_compile_over_torchtitan(tmp_path):
+    """speed/torchtitan's line: torchtitan's tokens/s and MFU (bench/torchtitan_speed.py's
+    JSON) and the median tokens/s of speed/ddp+compile's steps after the fifth over it."""
+    sys.path.insert(0, str(REPO))
+    import bench.gpu_check as gpu_check
+
+    row = next(r for r in gpu_check.rows(tmp_path) if r.name == "speed/torchtitan")
+    assert "--compile" in row.argv and not row.launch
+    row.run_dir.mkdir(parents=True)
+    (row.run_dir / "torchtitan.json").write_text(json.dumps(
+        {"torchtitan": "0.2.2", "tokens_per_s": 50000.0, "mfu": 0.4156, "step_s": 0.164, "peak_reserved_gib": 41.2}))
+    alone = gpu_check.beside_torchtitan(row)
+    assert alone == "torchtitan 0.2.2: 50,000 tokens/s, MFU 41.6%, step 0.164 s, peak reserved 41.2 GiB"
+    ours = tmp_path / "speed_ddp_compile"
+    ours.mkdir()
+    rows = [{"step": k, "tokens_per_s": 1000.0 if k <= 5 else 52000.0 + k} for k in range(1, 11)]
+    (ours / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert gpu_check.beside_torchtitan(row) == alone + "; ddp+compile / torchtitan 1.040"  # median 52008
