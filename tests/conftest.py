@@ -129,6 +129,42 @@ def slurm_cluster() -> dict:
     return dict(os.environ, SLURM_CONF=str(conf))
 
 
+# A node that Slurm drains as "Kill task failed" (a step's process outlived SIGKILL for
+# UnkillableStepTimeout) would leave every later test of its pair pending for nodes until
+# their timeouts. On this rig it is the machine's, not the product's: seen once in eight
+# fresh-clone suites, on the loaded 2-core VM, after tests/test_in_job_restart_slurm.py's
+# step loop killed a step whose peer waited in its rendezvous (the job itself completed).
+# After each test that used the cluster, such nodes of its pair return to service, with a
+# warning that names them in the test report.
+KILL_TASK_FAILED = "Kill task failed"
+
+
+def return_kill_task_failed_nodes(env: dict) -> List[str]:
+    """Resume this run's eligible nodes drained as "Kill task failed"; the nodes resumed."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N|%T|%E"], env=env, capture_output=True,
+                         text=True, timeout=30).stdout
+    eligible = set(eligible_nodes(env))
+    drained = [node for node, state, reason in (line.split("|", 2) for line in out.splitlines() if line.count("|") == 2)
+               if node in eligible and "drain" in state and reason.startswith(KILL_TASK_FAILED)]
+    for node in drained:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], env=env, capture_output=True,
+                       timeout=30)
+    return drained
+
+
+@pytest.fixture(autouse=True)
+def _kill_task_failed_nodes_back(request):
+    yield
+    if "slurm_cluster" in request.fixturenames:
+        env = dict(os.environ, SLURM_CONF=str(CLUSTER_DIR / "etc" / "slurm.conf"))
+        resumed = return_kill_task_failed_nodes(env)
+        if resumed:
+            import warnings
+
+            warnings.warn(f"local cluster: {', '.join(resumed)} drained as '{KILL_TASK_FAILED}' during this test; "
+                          "returned to service for the next tests")
+
+
 # --- `--shard K/N`: one of N parts of the selected tests, for tests/run_suite.sh ----------
 
 DURATIONS = Path(__file__).with_name("durations.json")

@@ -204,3 +204,25 @@ def test_high_partition_preempts_and_requeues_debug_job(slurm_env, jobs, tmp_pat
     _wait("sacct to record the first run as PREEMPTED/REQUEUED", first_run_state, 30, 0.5)
     high_state = _run(["sacct", "-n", "-X", "-P", "-j", high, "-o", "State"], slurm_env).strip()
     assert high_state in ("COMPLETED", "RUNNING", "COMPLETING"), high_state
+
+
+def test_a_node_drained_as_kill_task_failed_returns_to_service_and_no_other(slurm_env):
+    """tests/conftest.py's rig repair: a node Slurm drained as "Kill task failed" comes back
+    (as it does after every test that used the cluster); one drained for another reason stays."""
+    from conftest import KILL_TASK_FAILED, return_kill_task_failed_nodes
+
+    def state(node: str) -> str:
+        return _run(["sinfo", "-h", "-N", "-n", node, "-p", "debug", "-o", "%T"], slurm_env).strip()
+
+    try:
+        _run(["scontrol", "update", "nodename=node3", "state=drain", f"reason={KILL_TASK_FAILED}"], slurm_env)
+        _run(["scontrol", "update", "nodename=node4", "state=drain", "reason=maintenance"], slurm_env)
+        assert "drain" in state("node3") and "drain" in state("node4")
+        assert return_kill_task_failed_nodes(slurm_env) == ["node3"]
+        _wait("node3 back in service", lambda: state("node3") == "idle", 30)
+        assert "drain" in state("node4")
+    finally:
+        for node in ("node3", "node4"):
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], env=slurm_env,
+                           capture_output=True, timeout=30)
+        _wait("nodes 3 and 4 idle", lambda: state("node3") == state("node4") == "idle", 30)

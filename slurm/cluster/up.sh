@@ -57,6 +57,13 @@ render() {  # render TEMPLATE DEST: fill in the @VAR@ placeholders
       "$LS_SCRIPTS/templates/$1" >"$2"
 }
 render slurm.conf.in "$SLURM_CONF"
+# UnkillableStepProgram: what ran when a step outlived SIGKILL, into log/unkillable.log
+cat >"$LS_ETC/unkillable.sh" <<SCRIPT
+#!/bin/sh
+{ date -u +%FT%TZ; echo "job \${SLURM_JOB_ID:-?} step \${SLURM_STEP_ID:-?} on \${SLURMD_NODENAME:-?}"
+  ps -eo pid,ppid,pgid,stat,wchan:24,etime,args; } >>"$LS_LOG/unkillable.log" 2>&1
+SCRIPT
+chmod +x "$LS_ETC/unkillable.sh"
 {
   echo "# Compute nodes: one slurmd each on 127.0.0.1, distinct ports (slurmd -N nodeK)."
   echo "# Features pair1 (node1-2), pair2 (node3-4): two test runs share the cluster side by"
