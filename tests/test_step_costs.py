@@ -83,6 +83,19 @@ def test_hsdp_replicas_all_reduce_once_a_step_whatever_the_accumulation(tmp_path
         assert one["all_reduce"] > 0 and two["all_reduce"] == one["all_reduce"], (one, two)
 
 
+def _trained_in_process(tmp_path: Path, function, overrides: list) -> tuple:
+    """A run directory from the launcher's dry run, trained by ``function`` (one rank, forked
+    warm): what it wrote to out.json, and the run's metrics rows."""
+    prep = warm.launcher([*overrides, "train.seq_len=16", "data.num_tokens=20000", f"data.cache_dir={tmp_path}/d",
+                          "cluster.gpus_per_node=1", "launcher.dry_run=true"], cwd=tmp_path)
+    assert prep.returncode == 0, prep.stdout + prep.stderr
+    run_dir = run_dir_of(prep.stdout)
+    proc = warm.call_ranks(function, 1, (str(run_dir), str(tmp_path / "out.json")), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((tmp_path / "out.json").read_text()), rows
+
+
 def train_watching_reads(rank: int, run_dir: str, out: str) -> None:
     """The trainer in this process; the loss and grad norm each step returns are marked, and
     any host read of a marked tensor recorded, as is whether the loader's batches were read ahead."""
@@ -123,15 +136,44 @@ def train_watching_reads(rank: int, run_dir: str, out: str) -> None:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_host_reads_a_step_once_and_its_batches_ahead(tmp_path, strategy):
-    prep = warm.launcher([f"+strategy={strategy}", "train.steps=4", "train.seq_len=16", "data.num_tokens=20000",
-                          f"data.cache_dir={tmp_path}/d", "cluster.gpus_per_node=1", "launcher.dry_run=true"],
-                         cwd=tmp_path)
-    assert prep.returncode == 0, prep.stdout + prep.stderr
-    run_dir = run_dir_of(prep.stdout)
-    proc = warm.call_ranks(train_watching_reads, 1, (str(run_dir), str(tmp_path / "out.json")), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads((tmp_path / "out.json").read_text())
+    out, rows = _trained_in_process(tmp_path, train_watching_reads, [f"+strategy={strategy}", "train.steps=4"])
     assert out == {"code": 0, "reads": [], "read_ahead": [False, True, True, True]}
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the values still reach the metrics
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rows)
+
+
+def train_with_a_slow_metrics_file(rank: int, run_dir: str, out: str) -> None:
+    """The trainer in this process, each metrics.jsonl append taking 0.3 s (a shared
+    filesystem's round trips, exaggerated); what metrics.jsonl held at each checkpoint."""
+    import time
+
+    from train.checkpoint import Checkpointer
+    from train.harness import run as harness_run
+    from train.main import run
+
+    real_append, real_save = harness_run.append_metrics, Checkpointer.save
+    at_save = {}
+
+    def slow_append(*args, **kwargs):
+        time.sleep(0.3)
+        return real_append(*args, **kwargs)
+
+    def save(self, engine, step, *args, **kwargs):
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        at_save[step] = [json.loads(line)["step"] for line in lines]
+        return real_save(self, engine, step, *args, **kwargs)
+
+    harness_run.append_metrics, Checkpointer.save = slow_append, save
+    code = run(run_dir)
+    Path(out).write_text(json.dumps({"code": code, "at_save": at_save}))
+
+
+def test_a_slow_metrics_file_does_not_hold_the_steps_and_a_checkpoint_has_its_rows(tmp_path):
+    out, rows = _trained_in_process(tmp_path, train_with_a_slow_metrics_file,
+                                    ["train.steps=6", "checkpoint.every_steps=3"])
+    assert out["code"] == 0
+    assert out["at_save"] == {"3": [1, 2, 3], "6": [1, 2, 3, 4, 5, 6]}  # flushed before each checkpoint
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # Each row is stamped as its step ends: steps 4 and 5 followed one another without waiting
+    # for the 0.3 s writes (the first row is written at once; a checkpoint waits for the rows)
+    assert rows[4]["time"] - rows[3]["time"] < 0.2, [r["time"] for r in rows]

@@ -88,11 +88,14 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
     tracking = Tracking(cfg, task.run_dir, loader.state.step, task.segment, ctx.is_main)
     profiler.begin_at(loader.state.step + 1)
     try:
-        return _steps(task, ckpt, engine, loader, tracking, profiler)
+        status = _steps(task, ckpt, engine, loader, tracking, profiler)
+        task.flush_metrics()
+        return status
     except torch.OutOfMemoryError as exc:  # profile.memory=true: the allocator's snapshot first
         profiler.oom(exc)
         raise
     finally:
+        task.flush_metrics(quiet=True)  # after a failure: its rows too, never an error over it
         profiler.close()
         tracking.close()
         if gc_every > 0:
@@ -343,6 +346,7 @@ def _save(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader,
     cfg = task.cfg
     task.watchdog.phase("checkpoint", step + 1)
     background = cfg.checkpoint.async_save and not preempted
+    task.flush_metrics()  # the rows of the steps it holds are written before it commits
     ckpt.save(engine, step + 1, {"loader": loader.state_dict()}, blocking=not background)
     task.watchdog.progress(step + 1)
     if task.ctx.is_main:

@@ -57,6 +57,7 @@ class Task:
     flag: PreemptionFlag  # set by USR2 / SIGTERM; the workload agrees on it at a step boundary
     watchdog: Watchdog  # phase() / progress() from the workload's steps
     _rows_written: bool = field(default=False, init=False, repr=False, compare=False)
+    _writer: Optional["RowWriter"] = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def faults(self) -> Faults:
@@ -71,11 +72,62 @@ class Task:
 
     def write_metrics(self, row: MetricsRow | Mapping[str, Any]) -> None:
         """Append one metrics.jsonl row (the caller decides which rank writes); a restarted
-        segment's first one also gives its restart's ``seconds_lost``."""
-        append_metrics(self.run_dir, row)
+        segment's first one also gives its restart's ``seconds_lost``. The first row is
+        written at once, the later ones by a thread of their own (:class:`RowWriter`):
+        :meth:`flush_metrics` waits for them."""
         if not self._rows_written:
+            append_metrics(self.run_dir, row)
             self._rows_written = True
             restart.note_first_row(self.run_dir, self.ctx, row)
+            return
+        if self._writer is None:
+            self._writer = RowWriter(self.run_dir)
+        self._writer.put(row)
+
+    def flush_metrics(self, quiet: bool = False) -> None:
+        """Every row handed to :meth:`write_metrics` is in metrics.jsonl (a write that failed
+        raises here, or at the next row; not with ``quiet``)."""
+        if self._writer is not None:
+            self._writer.flush(quiet)
+
+
+class RowWriter:
+    """metrics.jsonl appends on a thread of their own. On a shared filesystem each
+    open/append/close is a round trip to its server (NFS flushes at close), which rank 0
+    would otherwise make between one step's end and the next one's start while every rank
+    waits for it at the next collective. Rows keep their order; :meth:`flush` waits for
+    them (the trainer flushes before each checkpoint and at its end)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        import queue
+        import threading
+
+        self.run_dir, self.rows, self.error = run_dir, queue.Queue(), None
+        threading.Thread(target=self._write, name="sto-metrics-rows", daemon=True).start()
+
+    def put(self, row: MetricsRow | Mapping[str, Any]) -> None:
+        self._raise()
+        self.rows.put(row)
+
+    def flush(self, quiet: bool = False) -> None:
+        self.rows.join()
+        if not quiet:
+            self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def _write(self) -> None:
+        while True:
+            row = self.rows.get()
+            try:
+                append_metrics(self.run_dir, row)
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread at its next row or flush
+                self.error = exc
+            finally:
+                self.rows.task_done()
 
 
 Workload = Callable[[Task], Status]  # COMPLETED, or INTERRUPTED (a checkpoint committed after a signal)
