@@ -26,5 +26,7 @@ for p in "${binary[@]}"; do
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$OUT" "$p==$(version "$p")"
 done
-# torchtitan's, for the speed/torchtitan row (bench/torchtitan_speed.py); it lists the folder
-bash bench/torchtitan_wheels.sh
+# torchtitan's, for the speed/torchtitan row (bench/torchtitan_speed.py)
+source bench/torchtitan_wheels.sh
+du -sh "$OUT"
+ls "$OUT"

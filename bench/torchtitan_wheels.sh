@@ -1,8 +1,7 @@
-#!/usr/bin/env bash
-# The wheels bench/torchtitan_speed.py needs on the GPU machine (torch 2.11 + CUDA 13,
-# Python 3.12, no registry), beside those of `make gpu-wheels` (bench/gpu_wheels.sh): run
-# this AFTER gpu_wheels.sh (which empties the folder) on a machine with the registries; the
-# wheels join .whl/ (or $GPU_WHEELS), which bench/gpu_check.sh installs with --no-deps.
+# Sourced by bench/gpu_wheels.sh (`make gpu-wheels`), with its PY, OUT and version(): the
+# wheels bench/torchtitan_speed.py needs on the GPU machine (torch 2.11 + CUDA 13, Python
+# 3.12, no registry) join the others in .whl/ (or $GPU_WHEELS), which bench/gpu_check.sh
+# installs with --no-deps.
 #
 # torchtitan 0.2.2: the newest release that imports on torch 2.11 (0.3.0 imports
 # torch.distributed.fsdp.DataParallelMeshDims, a torch nightly / 2.13 name:
@@ -20,25 +19,13 @@
 # (torchdata), typing_extensions >= 4.14 (typeguard; pydantic of gpu_wheels.sh needs the same).
 # Proof without the GPU: tests/test_torchtitan_speed.py; the CPU run in the docstring of
 # bench/torchtitan_speed.py.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
-OUT=${GPU_WHEELS:-.whl}
-version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
-mkdir -p "$OUT"
 # pinned: what the CPU runs here used (not in this venv)
 titan=(torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1)
 # this venv's versions, as gpu_wheels.sh does
 mine=(); for p in tensorboard protobuf absl-py; do mine+=("$p==$(version "$p")"); done
-for spec in "${titan[@]}" "${mine[@]}"; do
-  name=${spec%%==*}
-  rm -f "$OUT/${name//-/_}"-*.whl "$OUT/$name"-*.whl  # older copies of its own wheels only
-done
 # protobuf: its pure-Python wheel (py3-none-any), not a CPython build of this machine
 new=$(mktemp -d); trap 'rm -rf "$new"' EXIT
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py --abi none \
   --platform any -d "$new" "${titan[@]}" "${mine[@]}"
 ls "$new"/*.whl | grep -v -- '-py3-none-any.whl$' && { echo "torchtitan-wheels: a wheel above is not pure Python" >&2; exit 1; }
 mv "$new"/*.whl "$OUT"/
-du -sh "$OUT"
-ls "$OUT"
