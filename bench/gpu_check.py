@@ -219,10 +219,10 @@ def rows(scratch: Path) -> List[Row]:
     out.append(Row("doctor", [sys.executable, "-m", "launcher.doctor", *GPU, f"launcher.run_dir={scratch / 'doctor'}"],
                    exited_ok, run_dir=scratch / "doctor"))
     for name, extra in SPEED.items():
-        run_dir = scratch / f"speed_{name.replace('+', '_')}"
+        run_dir = speed_dir(scratch, name)
         out.append(Row(f"speed/{name}", launcher_argv(*GPU, *extra, *SPEED_RUN, f"launcher.run_dir={run_dir}"),
                        on_nccl, run_dir=run_dir, timeout_s=300.0, report=speed))
-    run_dir = scratch / "speed_torchtitan"  # the same model, batch, sequence and compile, torchtitan's loop
+    run_dir = speed_dir(scratch, "torchtitan")  # the same model, batch, sequence and compile, torchtitan's loop
     out.append(Row("speed/torchtitan", [sys.executable, str(REPO / "bench/torchtitan_speed.py"), "--compile",
                                         "--peak-tflops", str(SPEED_PEAK_TFLOPS), "--out", str(run_dir / "dump"),
                                         "--json", str(run_dir / "torchtitan.json")],
@@ -230,18 +230,27 @@ def rows(scratch: Path) -> List[Row]:
     return out
 
 
+def speed_dir(scratch: Path, name: str) -> Path:
+    """Where the speed row ``name`` runs."""
+    return scratch / f"speed_{name.replace('+', '_')}"
+
+
+def steady_rows(run_dir: Path) -> list:
+    """A speed run's metrics rows of the steps after the fifth (none when it did not run)."""
+    from spec.rundir import read_metrics
+
+    return [r for r in read_metrics(run_dir) if r.get("tokens_per_s") and r["step"] > 5]
+
+
 def beside_torchtitan(row: Row) -> str:
     """torchtitan's median tokens/s, MFU (our FLOP formula) and peak, and speed/ddp+compile's
     tokens/s over it (issue 31's criterion: >= 1.0), when that row ran in this scratch."""
     from statistics import median
 
-    from spec.rundir import read_metrics
-
     titan = json.loads((row.run_dir / "torchtitan.json").read_text())
     text = (f"torchtitan {titan['torchtitan']}: {titan['tokens_per_s']:,.0f} tokens/s, MFU {100 * titan['mfu']:.1f}%, "
             f"step {titan['step_s']:.3f} s, peak reserved {titan['peak_reserved_gib']} GiB")
-    ours = [r["tokens_per_s"] for r in read_metrics(row.run_dir.parent / "speed_ddp_compile")
-            if r.get("tokens_per_s") and r["step"] > 5] if (row.run_dir.parent / "speed_ddp_compile").is_dir() else []
+    ours = [r["tokens_per_s"] for r in steady_rows(speed_dir(row.run_dir.parent, "ddp+compile"))]
     return text + (f"; ddp+compile / torchtitan {median(ours) / titan['tokens_per_s']:.3f}" if ours else "")
 
 
@@ -249,9 +258,7 @@ def speed(row: Row) -> str:
     """Median tokens/s, MFU and the busiest rank's peak memory over the steps after the fifth."""
     from statistics import median
 
-    from spec.rundir import read_metrics
-
-    steady = [r for r in read_metrics(row.run_dir) if r.get("tokens_per_s") and r["step"] > 5]
+    steady = steady_rows(row.run_dir)
     if not steady:
         return "no steps after the fifth in metrics.jsonl"
     tps = median(r["tokens_per_s"] for r in steady)

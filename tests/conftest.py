@@ -109,8 +109,13 @@ def eligible_nodes(env: dict) -> list:
     feature when the suite confines the run to a pair)."""
     out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %f"], env=env, check=True,
                          capture_output=True, text=True).stdout
+    return sorted({n for n, f in (line.split() for line in out.splitlines()) if in_this_pair(f, env)})
+
+
+def in_this_pair(features: str, env: dict) -> bool:
+    """Whether a node of these features (sinfo's %f) may run this run's jobs (SBATCH_CONSTRAINT's)."""
     feature = env.get("SBATCH_CONSTRAINT")
-    return sorted({n for n, f in (line.split() for line in out.splitlines()) if not feature or feature in f.split(",")})
+    return not feature or feature in features.split(",")
 
 
 @pytest.fixture(scope="session")
@@ -141,11 +146,11 @@ KILL_TASK_FAILED = "Kill task failed"
 
 def return_kill_task_failed_nodes(env: dict) -> List[str]:
     """Resume this run's eligible nodes drained as "Kill task failed"; the nodes resumed."""
-    out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N|%T|%E"], env=env, capture_output=True,
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N|%f|%T|%E"], env=env, capture_output=True,
                          text=True, timeout=30).stdout
-    eligible = set(eligible_nodes(env))
-    drained = [node for node, state, reason in (line.split("|", 2) for line in out.splitlines() if line.count("|") == 2)
-               if node in eligible and "drain" in state and reason.startswith(KILL_TASK_FAILED)]
+    drained = [node for node, features, state, reason in (line.split("|", 3) for line in out.splitlines()
+                                                          if line.count("|") >= 3)
+               if in_this_pair(features, env) and "drain" in state and reason.startswith(KILL_TASK_FAILED)]
     for node in drained:
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], env=env, capture_output=True,
                        timeout=30)
