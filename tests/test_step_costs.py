@@ -4,7 +4,9 @@ gloo ranks forked warm (tests/warm.py):
 - DDP does not broadcast the RoPE buffer before every forward (``broadcast_buffers``):
   every rank computes the same table;
 - HSDP all-reduces across its replicas once a step, at the last micro-batch of an
-  accumulation, not at each (FSDP keeps the earlier reduce-scattered sums until then).
+  accumulation, not at each (FSDP keeps the earlier reduce-scattered sums until then);
+- FSDP casts its units' forward inputs only where it computes in another dtype than the
+  parameters' (bf16), not in fp32.
 That the steps still train like one process is tests/test_strategies.py's (its HSDP case
 accumulates).
 
@@ -66,9 +68,32 @@ def count_collectives(rank: int, world: int, port: int, cfg, out_dir: str) -> No
     shutdown()
 
 
-def _steps(tmp_path: Path, overrides: list) -> list:
+def casts_forward_inputs(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
+    """Two steps under torch.profiler: whether FSDP cast any unit's forward inputs."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    from spec.layout import build_layout
+    from train.harness.dist import init_distributed, shutdown
+    from train.model import build_model
+    from train.parallelize import parallelize
+
+    ctx = init_distributed(120)
+    engine = parallelize(build_model(cfg.model, "meta"), cfg, build_layout(cfg), ctx)
+    batch = torch.randint(0, cfg.model.vocab_size, (1, 17), generator=torch.Generator().manual_seed(rank))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            engine.train_step([(batch[:, :-1], batch[:, 1:])], 1e-3)
+    names = {e.name for e in prof.events()}
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(
+        [{"casts": "FSDP::cast_forward_inputs" in names, "gathers": "FSDP::all_gather" in names}]))
+    shutdown()
+
+
+def _steps(tmp_path: Path, overrides: list, function=count_collectives) -> list:
     cfg = compose_run(["cluster.gpus_per_node=1", "cluster.nodes=2", "train.seq_len=16", *overrides])
-    proc = warm.call_ranks(count_collectives, 2, (2, free_port(), cfg, str(tmp_path)), cwd=tmp_path, timeout=300)
+    proc = warm.call_ranks(function, 2, (2, free_port(), cfg, str(tmp_path)), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
 
@@ -81,6 +106,14 @@ def test_ddp_broadcasts_no_buffer_before_its_forwards(tmp_path):
 def test_hsdp_replicas_all_reduce_once_a_step_whatever_the_accumulation(tmp_path):
     for one, two in _steps(tmp_path, ["+strategy=hsdp"]):  # 2 replicas of 1 shard
         assert one["all_reduce"] > 0 and two["all_reduce"] == one["all_reduce"], (one, two)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fsdp_casts_forward_inputs_only_to_another_dtype(tmp_path, precision):
+    """fp32 parameters computing in fp32 need no cast of each unit's inputs (FSDP's
+    param_dtype would walk them every call); computing in bf16 they are cast."""
+    for (step,) in _steps(tmp_path, ["+strategy=fsdp", f"strategy.mixed_precision={precision}"], casts_forward_inputs):
+        assert step == {"casts": precision == "bf16", "gathers": True}, step
 
 
 def _trained_in_process(tmp_path: Path, function, overrides: list) -> tuple:

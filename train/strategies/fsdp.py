@@ -40,8 +40,11 @@ def apply_fsdp(model: Transformer, cfg: RunConfig, layout: Layout, mesh: DeviceM
     shard_mesh = dp_mesh(mesh, layout)
     dtype = compute_dtype(cfg, device)
     # Compute in `dtype`, but reduce gradients in fp32: a bf16 reduce-scatter over many
-    # ranks loses precision in the sum.
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # ranks loses precision in the sum. Where `dtype` is the parameters' own (fp32), no
+    # param_dtype: FSDP would otherwise walk every unit's forward inputs to cast them to
+    # the dtype they have (the same maths, Python work on every call).
+    held = next(model.parameters()).dtype
+    mp = MixedPrecisionPolicy(param_dtype=None if dtype == held else dtype, reduce_dtype=torch.float32)
     reshard = cfg.strategy.reshard_after_forward
     for block in model.layers.values():
         fully_shard(block, mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=mp)
