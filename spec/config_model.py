@@ -75,8 +75,8 @@ def loss_chunk_tokens(m: ModelConfig, tokens: int = 0, gpu_mem_gb: Optional[floa
 
     ``model.loss_chunk_tokens`` when set; with null, ``tokens`` (one micro-batch's) and
     ``gpu_mem_gb`` (the GPU's memory as the cluster groups count it; None off a GPU or
-    unknown) decide: the chunks' recompute and their loss outside the compiled graph cost
-    12% of a 1B Llama's step on an H100 (48.8k against 42.8k tokens/s, bench/GPU_RESULTS.md),
+    unknown) decide: the chunks' recompute cost 12% of a 1B Llama's step on an H100 (48.8k
+    against 42.8k tokens/s with the loss still eager, bench/GPU_RESULTS.md),
     so whole logits where they take at most a quarter of the GPU's memory (one micro-batch
     of 8k tokens at a 128k vocabulary: 10.5 GB of 80), chunks beyond (Qwen's 152k at 32k
     tokens: 100 GB)."""

@@ -41,7 +41,21 @@ def check_supported(cfg: RunConfig, layout: Layout) -> None:
     if layout.pp_enabled:
         _check_pp(cfg, layout, key)
     _check_tp(cfg, layout, key)
+    _check_compile(cfg, key)
     check_packing(cfg, layout)
+
+
+def _check_compile(cfg: RunConfig, key: Tuple[str, str]) -> None:
+    """``strategy.compile`` compiles each block before the engine wraps the model
+    (train/parallelize.py). ZeRO-3 partitions the parameters and gathers them in hooks on
+    every submodule, which it marks by walking ``module.modules()``: a compiled block's
+    wrapper keeps its parameters in a plain dict, and the first forward fails (DeepSpeed
+    0.19: ``'dict' object has no attribute '_in_forward'``)."""
+    if cfg.strategy.compile and key == ("deepspeed", "zero3"):
+        raise ConfigError(f"strategy {cfg.strategy.name!r}: strategy.compile=true with DeepSpeed ZeRO-3 "
+                          "(zero_stage=3): its parameter gathers hook every submodule and fail on compiled blocks; "
+                          "set strategy.compile=false, or use +strategy=fsdp (sharded like ZeRO-3, compiled per "
+                          "block)")
 
 
 def stages_per_rank(schedule: str) -> int:

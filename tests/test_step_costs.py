@@ -6,7 +6,8 @@ gloo ranks forked warm (tests/warm.py):
 - HSDP all-reduces across its replicas once a step, at the last micro-batch of an
   accumulation, not at each (FSDP keeps the earlier reduce-scattered sums until then);
 - FSDP casts its units' forward inputs only where it computes in another dtype than the
-  parameters' (bf16), not in fp32.
+  parameters' (bf16), not in fp32;
+- ``strategy.compile`` compiles each block once, at the training shape, and the loss.
 That the steps still train like one process is tests/test_strategies.py's (its HSDP case
 accumulates).
 
@@ -91,6 +92,30 @@ def casts_forward_inputs(rank: int, world: int, port: int, cfg, out_dir: str) ->
     shutdown()
 
 
+def compiles_once(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
+    """Build (DDP settles its buckets) and three steps with dynamo's recompiles made errors."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch._dynamo
+
+    from spec.layout import build_layout
+    from train.harness.dist import init_distributed, shutdown
+    from train.model import build_model
+    from train.parallelize import parallelize
+
+    torch._dynamo.config.error_on_recompile = True
+    ctx = init_distributed(120)
+    engine = parallelize(build_model(cfg.model, "meta"), cfg, build_layout(cfg), ctx)
+    batch = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(rank))
+    losses = [float(engine.train_step([(batch[:, :-1], batch[:, 1:])], 1e-3)[0]) for _ in range(2)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        losses.append(float(engine.train_step([(batch[:, :-1], batch[:, 1:])], 1e-3)[0]))
+    eager = sorted({e.name for e in prof.events() if "softmax" in e.name or "nll_loss" in e.name})
+    Path(out_dir, f"{rank}.json").write_text(json.dumps([{"losses": losses, "eager_loss_ops": eager}]))
+    shutdown()
+
+
 def _steps(tmp_path: Path, overrides: list, function=count_collectives) -> list:
     cfg = compose_run(["cluster.gpus_per_node=1", "cluster.nodes=2", "train.seq_len=16", *overrides])
     proc = warm.call_ranks(function, 2, (2, free_port(), cfg, str(tmp_path)), cwd=tmp_path, timeout=300)
@@ -114,6 +139,16 @@ def test_fsdp_casts_forward_inputs_only_to_another_dtype(tmp_path, precision):
     param_dtype would walk them every call); computing in bf16 they are cast."""
     for (step,) in _steps(tmp_path, ["+strategy=fsdp", f"strategy.mixed_precision={precision}"], casts_forward_inputs):
         assert step == {"casts": precision == "bf16", "gathers": True}, step
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_compiled_blocks_and_loss_are_compiled_once(tmp_path, strategy):
+    """strategy.compile: each block compiles at the training shape and never again (DDP's
+    bucket settling runs eagerly: compiled at its own small shape, the blocks would compile
+    again for the steps, with dynamic sizes); the loss runs compiled too (no eager
+    log-softmax or NLL op in a step's profile), as torchtitan's."""
+    for (step,) in _steps(tmp_path, [f"+strategy={strategy}", "strategy.compile=true"], compiles_once):
+        assert len(step["losses"]) == 3 and step["eager_loss_ops"] == [], step
 
 
 def _trained_in_process(tmp_path: Path, function, overrides: list) -> tuple:

@@ -32,6 +32,10 @@ ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO /
 # the suite ~20 CPU-s and tested the same code (tests/test_reshard.py resumes 4-rank ZeRO).
 CASES = [
     ("ddp", (1, 4), []),  # 2 ranks: tests/test_ddp.py
+    # torch.compile (Inductor's CPU code: blocks and loss) against the eager reference,
+    # compiled once (tests/test_step_costs.py); the loss in chunks, and a pipeline's loss_fn
+    ("ddp", (1, 2), ["strategy.compile=true"]),
+    ("fsdp", (1, 2), ["strategy.compile=true", "model.loss_chunk_tokens=48"]),
     ("fsdp", (1, 2), ["model.loss_chunk_tokens=48"]),  # head + loss in 3 checkpointed chunks (train/loss.py)
     ("fsdp_grad_op", (1, 2), ["train.grad_accum=2"]),
     ("fsdp_grad_op", (1, 4), []),
@@ -53,6 +57,7 @@ CASES = [
     # Pipeline parallel: 2 stages of the 2-layer tiny model; 4-stage and interleaved cases
     # on a 4-layer model (its own reference).
     ("pp", (1, 2), []),  # 1F1B, 4 micro-batches
+    ("pp", (1, 2), ["strategy.compile=true"]),
     ("pp", (1, 2), ["strategy.pp_schedule=gpipe", "train.grad_accum=2"]),
     ("pp", (1, 4), []),  # pp 2 x DDP 2
     ("pp", (1, 4), ["strategy.pp_schedule=gpipe"]),  # pp 2 x DDP 2, every forward before the backwards
@@ -90,8 +95,11 @@ def references(workdir):
 
 
 def _ids(case):
+    """strategy-NODESxGPUS and the first override's value, or its key's last part where the
+    value is true: ddp-1x2-compile, tp-1x2-qkv_bias, fsdp-1x2-48."""
     strategy, (nodes, gpn), extra = case
-    return f"{strategy}-{nodes}x{gpn}" + "".join("-" + e.split("=")[-1] for e in extra[:1])
+    tags = [value if value != "true" else key.split(".")[-1] for key, value in (e.split("=") for e in extra[:1])]
+    return f"{strategy}-{nodes}x{gpn}" + "".join("-" + t for t in tags)
 
 
 @pytest.mark.parametrize("strategy,shape,extra", CASES, ids=[_ids(c) for c in CASES])

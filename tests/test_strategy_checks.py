@@ -36,6 +36,11 @@ from spec.support import check_supported
       "model.n_layers=8", "strategy.pp_schedule=interleaved_1f1b", "strategy.pp_microbatches=9",
       "train.micro_batch_size=9"],
      "strategy.pp_microbatches=9 with interleaved_1f1b and pipeline_parallel=4 must be a multiple of the rounds"),
+    (["+strategy=zero3", "strategy.compile=true"],
+     "strategy 'zero3': strategy.compile=true with DeepSpeed ZeRO-3 (zero_stage=3): its parameter gathers hook "
+     "every submodule and fail on compiled blocks; set strategy.compile=false, or use +strategy=fsdp"),
+    (["+strategy=zero3_offload", "strategy.compile=true"],
+     "strategy 'zero3_offload': strategy.compile=true with DeepSpeed ZeRO-3"),
 ])
 def test_refused(overrides, message):
     cfg = compose_run(overrides)

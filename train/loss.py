@@ -16,7 +16,8 @@ backward recomputes one chunk's logits at a time: the whole logits never exist.
 """
 from __future__ import annotations
 
-from typing import Iterable, Tuple
+import functools
+from typing import Callable, Iterable, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,20 +30,36 @@ from train.vocab_parallel import is_vocab_sharded, vocab_parallel_cross_entropy
 IGNORE = -100  # torch's ignore_index: a target position without loss
 
 
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropy over the targets that are not ``IGNORE`` (fp32); logits
-    sharded over the vocabulary (tensor parallel's head) are reduced in parallel, never
-    gathered (train/vocab_parallel.py)."""
-    if is_vocab_sharded(logits):
-        return vocab_parallel_cross_entropy(logits, targets, reduction="sum")
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy over the targets that are not ``IGNORE``, in fp32."""
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def _chunk_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return loss_sum(head(h), targets)
+@functools.lru_cache(maxsize=None)
+def compiled_cross_entropy_sum() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """:func:`cross_entropy_sum` through torch.compile (``strategy.compile``, as torchtitan
+    compiles its loss): one kernel reads the logits in their dtype and keeps the softmax's
+    fp32 in registers, where eager writes an fp32 copy of the logits, their log-softmax and
+    in the backward its gradient. Static shapes: a chunked head has two (its chunks and the
+    last one), each compiled once."""
+    return torch.compile(cross_entropy_sum, dynamic=False)
 
 
-def chunked_head_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    """Sum of cross-entropy over the targets that are not ``IGNORE`` (fp32), ``compiled``
+    or eager; logits sharded over the vocabulary (tensor parallel's head) are reduced in
+    parallel, never gathered (train/vocab_parallel.py)."""
+    if is_vocab_sharded(logits):
+        return vocab_parallel_cross_entropy(logits, targets, reduction="sum")
+    return (compiled_cross_entropy_sum() if compiled else cross_entropy_sum)(logits, targets)
+
+
+def _chunk_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, compiled: bool) -> torch.Tensor:
+    return loss_sum(head(h), targets, compiled)
+
+
+def chunked_head_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunk: int,
+                      compiled: bool = False) -> torch.Tensor:
     """``loss_sum(head(h), targets)`` computed ``chunk`` tokens at a time (h [..., dim],
     targets [...]); ``head`` is called as a module (its hooks run: DDP, FSDP, ZeRO).
     Every chunk but the last is checkpointed (its logits recomputed in the backward); the
@@ -55,9 +72,9 @@ def chunked_head_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, c
     for start in starts:
         piece, piece_targets = flat[start:start + chunk], tgt[start:start + chunk]
         if start == starts[-1]:
-            total = total + _chunk_loss(head, piece, piece_targets)
+            total = total + _chunk_loss(head, piece, piece_targets, compiled)
         else:
-            total = total + checkpoint(_chunk_loss, head, piece, piece_targets, use_reentrant=False)
+            total = total + checkpoint(_chunk_loss, head, piece, piece_targets, compiled, use_reentrant=False)
     return total
 
 

@@ -176,6 +176,8 @@ class Transformer(nn.Module):
         # Tokens per chunk of the head + loss the trainer decided for this run and device
         # (head_loss_chunk); None: model.loss_chunk_tokens with no run to go by.
         self.loss_chunk: Optional[int] = None
+        # The loss through torch.compile (strategy.compile: train/parallelize.py).
+        self.compile_loss = False
 
     @torch.no_grad()
     def init_weights(self, seed: int, device: Optional[torch.device] = None) -> None:
@@ -231,8 +233,8 @@ class Transformer(nn.Module):
             return self.output(h)
         chunk = self.loss_chunk if self.loss_chunk is not None else loss_chunk_tokens(self.cfg)
         if chunk > 0 and not isinstance(self.output.weight, DTensor):
-            return chunked_head_loss(self.output, h, targets, chunk)
-        return loss_sum(self.output(h), targets)
+            return chunked_head_loss(self.output, h, targets, chunk, self.compile_loss)
+        return loss_sum(self.output(h), targets, self.compile_loss)
 
 
 def head_loss_chunk(run: RunConfig, device: torch.device) -> int:

@@ -2,7 +2,7 @@
 
 1. tensor parallel (needs the plain module tree, before any wrapper),
 2. activation checkpointing (wraps each block; must see TP's modules, not FSDP's),
-3. torch.compile per block (compiles the checkpointed, TP-sharded block),
+3. torch.compile per block (compiles the checkpointed, TP-sharded block) and the loss,
 4. the builder's ``wrap``: FSDP shards the meta model (DDP and DeepSpeed wait),
 5. materialise and initialise every model part once, or load a Hugging Face checkpoint
    into it (the builder's ``materialise``: :func:`train.model.materialise`; DeepSpeed's
@@ -39,8 +39,11 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
 
 
 def apply_compile(model: Transformer) -> None:
+    """Each block compiled on its own (fullgraph), and the loss (torchtitan's ``model`` and
+    ``loss`` components): the head's matmul stays eager between them."""
     for name, block in list(model.layers.items()):
         model.layers[name] = torch.compile(block, fullgraph=True)
+    model.compile_loss = True
 
 
 def make_builder(cfg: RunConfig, layout: Layout, ctx: DistContext) -> EngineBuilder:

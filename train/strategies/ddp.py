@@ -29,9 +29,14 @@ def settle_buckets(wrapped: DDP, cfg: RunConfig, ctx: DistContext) -> None:
     without this, the first step of a resumed process (old layout) differs in the last
     bits from the same step of an uninterrupted run (rebuilt layout), and resume is not
     bitwise exact. Gradients are discarded; parameters do not change.
+
+    Eager (``strategy.compile``'s blocks not compiled for it): compiled for this small shape
+    first, they would be compiled again at the training shape, then with dynamic sizes
+    (torch.compile's automatic dynamic shapes) and kernels made for any size.
     """
     tokens = torch.zeros(1, min(8, cfg.model.max_seq_len), dtype=torch.long, device=ctx.device)
-    wrapped(tokens).float().sum().backward()
+    with torch.compiler.set_stance("force_eager"):
+        wrapped(tokens).float().sum().backward()
     wrapped.zero_grad(set_to_none=True)
 
 

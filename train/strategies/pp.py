@@ -96,8 +96,11 @@ class ShareLoss:
 
     share = 1.0
 
+    def __init__(self, compiled: bool = False) -> None:
+        self.compiled = compiled  # strategy.compile: the loss through torch.compile (train/loss.py)
+
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return loss_sum(logits, targets) / self.share
+        return loss_sum(logits, targets, self.compiled) / self.share
 
 
 class PipelineEngine(DCPState):
@@ -234,7 +237,7 @@ class PipelineBuilder(EngineBuilder):
         optimizers = [build_adamw(part, self.cfg.optim, ctx.device) for part in parts]
         stages = [PipelineStage(part, sid, self.n_stages, ctx.device, group=pp_group)
                   for part, sid in zip(parts, self.stage_ids)]
-        share_loss = ShareLoss()
+        share_loss = ShareLoss(compiled=s.compile)
         schedule = SCHEDULES[s.pp_schedule](stages if self.v > 1 else stages[0], n_microbatches=s.pp_microbatches,
                                             loss_fn=share_loss, scale_grads=False)
         # FSDP casts through its mixed-precision policy; otherwise autocast around the schedule.
