@@ -9,8 +9,10 @@ line a row, and ``DIR/gpu_check.md``, the table so far), so a run stopped by its
 slot still leaves what it did. Rows (one GPU is enough):
 
 - ``engine/S``: every engine at world 1 on NCCL and bf16 (ddp, fsdp, zero1, zero2, zero3,
-  zero3_offload; tp and pp at degree 1): the run completes, run.json says backend nccl
-  and matmul tf32, the loss falls;
+  zero3_offload; tp and pp at degree 1; ddp+compile): the run completes, run.json says
+  backend nccl and matmul tf32, the loss falls;
+- ``parity/bf16``: after them, every engine row's losses within 2% of engine/ddp's at every
+  step (one maths for every engine, compiled or eager: tests/test_bf16_parity.py on CPU);
 - ``binding/node``, ``binding/task``: a task with LOCAL_RANK 3 that sees one GPU
   (CUDA_VISIBLE_DEVICES of one device): binding ``task`` takes cuda:0 and trains under
   ZeRO-2 (DeepSpeed sets its device from LOCAL_RANK unless told); binding ``node`` is
@@ -59,7 +61,8 @@ sys.path.insert(0, str(REPO))
 GPU = ["+cluster=local", "cluster.accelerator=gpu", "cluster.gpus_per_node=1"]
 SHORT = ["train.seq_len=128", "data.num_tokens=200000", "train.log_every=1", "train.preflight=false"]
 ENGINES = {"ddp": [], "fsdp": [], "zero1": [], "zero2": [], "zero3": [], "zero3_offload": [],
-           "tp": ["strategy.tensor_parallel=1"], "pp": ["strategy.pipeline_parallel=1"]}
+           "tp": ["strategy.tensor_parallel=1"], "pp": ["strategy.pipeline_parallel=1"],
+           "ddp+compile": ["strategy.compile=true"]}
 RESUMED = ("fsdp", "zero2")
 TAIL_CHARS = 4000     # a failed row's output kept in gpu_check.jsonl
 RESUME_RTOL = 0.02   # bf16 on GPU, reductions in another order after a restart
@@ -177,13 +180,14 @@ def rows(scratch: Path) -> List[Row]:
     out: List[Row] = []
     out.append(Row("health", [sys.executable, str(REPO / "bench/gpu_check_rows.py"), "health"], exited_ok,
                    launch=False))
-    for strategy, extra in ENGINES.items():
-        run_dir = scratch / f"engine_{strategy}"
-        steps = ["train.steps=6", "checkpoint.every_steps=3"] if strategy in RESUMED else ["train.steps=6"]
-        out.append(Row(f"engine/{strategy}", launcher_argv(*GPU, f"+strategy={strategy}", *extra, *SHORT, *steps,
-                                                           f"launcher.run_dir={run_dir}"), trained, run_dir=run_dir))
+    for name, extra in ENGINES.items():
+        run_dir = engine_dir(scratch, name)
+        steps = ["train.steps=6", "checkpoint.every_steps=3"] if name in RESUMED else ["train.steps=6"]
+        out.append(Row(f"engine/{name}", launcher_argv(*GPU, f"+strategy={name.split('+')[0]}", *extra, *SHORT,
+                                                       *steps, f"launcher.run_dir={run_dir}"), trained,
+                       run_dir=run_dir))
     for strategy in RESUMED:
-        run_dir, reference = scratch / f"resume_{strategy}", scratch / f"engine_{strategy}"
+        run_dir, reference = scratch / f"resume_{strategy}", engine_dir(scratch, strategy)
         args = [*GPU, f"+strategy={strategy}", *SHORT, "train.steps=6", "checkpoint.every_steps=3",
                 f"launcher.run_dir={run_dir}"]
         crash = Row(f"resume/{strategy}:crash", launcher_argv(*args, "fault.raise_at_step=5"),
@@ -218,6 +222,8 @@ def rows(scratch: Path) -> List[Row]:
                                                    f"launcher.run_dir={run_dir}"), profiled_on_cuda, run_dir=run_dir))
     out.append(Row("doctor", [sys.executable, "-m", "launcher.doctor", *GPU, f"launcher.run_dir={scratch / 'doctor'}"],
                    exited_ok, run_dir=scratch / "doctor"))
+    out.append(Row("parity/bf16", [sys.executable, str(REPO / "bench/gpu_check_rows.py"), "parity", str(scratch)],
+                   exited_ok, launch=False, run_dir=scratch, report=parity))
     for name, extra in SPEED.items():
         run_dir = speed_dir(scratch, name)
         out.append(Row(f"speed/{name}", launcher_argv(*GPU, *extra, *SPEED_RUN, f"launcher.run_dir={run_dir}"),
@@ -228,6 +234,17 @@ def rows(scratch: Path) -> List[Row]:
                                         "--json", str(run_dir / "torchtitan.json")],
                    exited_ok, launch=False, run_dir=run_dir, timeout_s=300.0, report=beside_torchtitan))
     return out
+
+
+def engine_dir(scratch: Path, name: str) -> Path:
+    """Where the engine row ``name`` runs (bench/gpu_check_rows.py's parity row reads them)."""
+    return scratch / f"engine_{name.replace('+', '_')}"
+
+
+def parity(row: Row) -> str:
+    """Each engine's worst relative loss difference from engine/ddp's over their steps."""
+    worst = json.loads((row.run_dir / "parity.json").read_text())
+    return ", ".join(f"{name} {100 * w:.2f}%" for name, w in worst.items())
 
 
 def speed_dir(scratch: Path, name: str) -> Path:
@@ -371,11 +388,13 @@ def chains(selected: List[Row]) -> List[List[Row]]:
 
 def run_rows(selected: List[Row], table: Table, budget_s: float, jobs: int = 1) -> int:
     """The rows in table order; with ``jobs`` > 1 the small rows share the GPU, ``jobs`` at a
-    time (their own processes, ports and directories), and the speed rows run after them
-    alone, so their timings see an idle GPU."""
+    time (their own processes, ports and directories), and the parity row (which compares
+    the engine rows' runs) and the speed rows run after them alone, so their timings see an
+    idle GPU."""
     deadline = time.time() + budget_s
-    shared = [r for r in selected if not r.name.startswith("speed/")]
-    alone = [r for r in selected if r.name.startswith("speed/")]
+    later = ("parity/", "speed/")  # parity reads the engine rows' runs, speed rows time an idle GPU
+    shared = [r for r in selected if not r.name.startswith(later)]
+    alone = [r for r in selected if r.name.startswith(later)]
     if jobs <= 1:
         shared, alone = [], selected
     failed = 0
@@ -408,10 +427,15 @@ def dry_run(selected: List[Row], table: Table) -> int:
 
 
 def select(every: List[Row], only: Optional[List[str]]) -> List[Row]:
-    """The rows ``--only`` names (names or prefixes), in table order; a resume row brings its
-    engine row, whose uninterrupted run it is compared with."""
-    wanted = {r.name for r in every if not only or any(r.name.startswith(p) for p in only)}
+    """The rows ``--only`` names (a row's name, else a prefix: engine/ddp is that row, not
+    engine/ddp+compile too), in table order; a resume row brings its engine row, whose
+    uninterrupted run it is compared with, the parity row every engine row."""
+    names = {r.name for r in every}
+    wanted = {r.name for r in every
+              if not only or any(r.name == p or (p not in names and r.name.startswith(p)) for p in only)}
     wanted |= {f"engine/{name.split('/')[1]}" for name in wanted if name.startswith("resume/")}
+    if "parity/bf16" in wanted:
+        wanted |= {r.name for r in every if r.name.startswith("engine/")}
     return [r for r in every if r.name in wanted]
 
 

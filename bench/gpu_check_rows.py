@@ -14,6 +14,7 @@
   device). Under ``cluster.gpu_binding=task`` the harness takes cuda:0 and a ZeRO-2 step
   runs there (DeepSpeed takes LOCAL_RANK's device unless told); under ``node`` the task
   is refused at start in one line.
+- ``parity SCRATCH``: every engine row's losses within 2% of engine/ddp's at every step.
 
 ``--dry`` checks what can be checked without a GPU (a node without nvidia-smi is skipped,
 the binding decision, the run directories the launcher's dry run prepares).
@@ -92,6 +93,45 @@ def _write_hf_headers(path: Path) -> int:
     return 0
 
 
+PARITY_RTOL = 0.02  # bf16: 8 bits of mantissa, ~0.4% a rounding (tests/test_bf16_parity.py)
+
+
+def parity(scratch: Path, dry: bool) -> int:
+    """Every engine row's loss at every step within PARITY_RTOL of engine/ddp's (the same
+    model, data, seed and steps): writes SCRATCH/parity.json (engine -> worst relative
+    difference) and fails when one is beyond it or has other steps. Under ``--dry`` the rows
+    it reads are listed."""
+    from bench.gpu_check import ENGINES, engine_dir
+    from spec.rundir import read_metrics
+
+    others = [name for name in ENGINES if name != "ddp"]
+    if dry:
+        print(f"compares {', '.join(others)} with ddp: {[engine_dir(scratch, n).name for n in ENGINES]}")
+        return 0
+
+    def losses(name: str) -> dict:
+        return {r["step"]: r["loss"] for r in read_metrics(engine_dir(scratch, name)) if r.get("loss") is not None}
+
+    reference, worst, bad = losses("ddp"), {}, []
+    if not reference:
+        print(f"no losses in {engine_dir(scratch, 'ddp')}: engine/ddp did not run")
+        return 1
+    for name in others:
+        got = losses(name)
+        if set(got) != set(reference):
+            bad.append(f"{name}: steps {sorted(got)} vs ddp's {sorted(reference)}")
+            continue
+        worst[name] = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference)
+        print(f"{name}: worst {100 * worst[name]:.2f}% from ddp ({[round(got[s], 4) for s in sorted(got)]})")
+        if worst[name] > PARITY_RTOL:
+            bad.append(f"{name} {100 * worst[name]:.2f}% > {100 * PARITY_RTOL:.0f}%")
+    print(f"ddp: {[round(reference[s], 4) for s in sorted(reference)]}")
+    (scratch / "parity.json").write_text(json.dumps(worst))
+    if bad:
+        print("not the same maths: " + "; ".join(bad))
+    return 1 if bad else 0
+
+
 def main(argv: list) -> int:
     dry = "--dry" in argv
     args = [a for a in argv if a != "--dry"]
@@ -100,11 +140,13 @@ def main(argv: list) -> int:
         return health(dry)
     if name == "write_hf":
         return write_hf(args[1], dry)
+    if name == "parity":
+        return parity(Path(args[1]), dry)
     if name in ("binding_task", "binding_node"):
         from bench.gpu_check_binding import binding_row
 
         return binding_row(name.split("_")[1], Path(args[1]), dry)
-    print(f"unknown row {name!r}: health, write_hf DIR, binding_task SCRATCH, binding_node SCRATCH")
+    print(f"unknown row {name!r}: health, write_hf DIR, binding_task SCRATCH, binding_node SCRATCH, parity SCRATCH")
     return 2
 
 

@@ -15,7 +15,8 @@ from conftest import REPO
 ROWS = {"health", "binding/task", "binding/node", "hf/zero3", "hf/zero3:write", "accelerate/zero2", "profile/memory",
         "train/packed", "train/packed:data", "packed/equal",
         "accelerate/fsdp", "doctor", "resume/fsdp", "resume/fsdp:crash", "resume/zero2", "resume/zero2:crash",
-        *(f"engine/{s}" for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "pp")),
+        *(f"engine/{s}" for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "pp",
+                                  "ddp+compile")), "parity/bf16",
         *(f"speed/{s}" for s in ("ddp", "ddp+compile", "fsdp+compile", "zero2", "torchtitan"))}
 
 
@@ -127,3 +128,28 @@ def test_the_torchtitan_row_reports_ddp_compile_over_torchtitan(tmp_path):
     rows = [{"step": k, "tokens_per_s": 1000.0 if k <= 5 else 52000.0 + k} for k in range(1, 11)]
     (ours / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert gpu_check.beside_torchtitan(row) == alone + "; ddp+compile / torchtitan 1.040"  # median 52008
+
+
+def test_the_parity_row_compares_every_engine_row_with_ddp(tmp_path, capsys):
+    """parity/bf16 reads the engine rows' metrics: within 2% of engine/ddp at every step it
+    passes and reports each engine's worst difference; one engine beyond it, or with other
+    steps, fails the row, naming it."""
+    sys.path.insert(0, str(REPO))
+    from bench.gpu_check import ENGINES, Row, engine_dir, exited_ok, parity
+    from bench.gpu_check_rows import parity as parity_row
+
+    def write(name, losses):
+        engine_dir(tmp_path, name).mkdir(parents=True, exist_ok=True)
+        (engine_dir(tmp_path, name) / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s + 1, "loss": v}) + "\n" for s, v in enumerate(losses)))
+
+    for name in ENGINES:
+        write(name, [6.0, 5.5, 5.0] if name != "zero3" else [6.0, 5.5, 5.05])  # zero3 1% off at step 3
+    assert parity_row(tmp_path, dry=False) == 0
+    report = parity(Row("parity/bf16", [], exited_ok, run_dir=tmp_path))
+    assert "zero3 1.00%" in report and "ddp+compile 0.00%" in report and "ddp " not in report.replace("ddp+", "")
+    write("ddp+compile", [6.0, 5.5, 5.2])  # 4% off
+    write("pp", [6.0, 5.5])
+    assert parity_row(tmp_path, dry=False) == 1
+    out = capsys.readouterr().out
+    assert "not the same maths: pp: steps [1, 2] vs ddp's [1, 2, 3]; ddp+compile 4.00% > 2%" in out
