@@ -38,10 +38,11 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 @functools.lru_cache(maxsize=None)
 def compiled_cross_entropy_sum() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """:func:`cross_entropy_sum` through torch.compile (``strategy.compile``, as torchtitan
-    compiles its loss): one kernel reads the logits in their dtype and keeps the softmax's
-    fp32 in registers, where eager writes an fp32 copy of the logits, their log-softmax and
-    in the backward its gradient. Static shapes: a chunked head has two (its chunks and the
-    last one), each compiled once."""
+    compiles its loss): Inductor fuses the fp32 cast, the log-softmax and the targets' pick
+    (and the backward's softmax minus one-hot) into its own kernels, where eager writes an
+    fp32 copy of the logits, their log-softmax and in the backward its gradient, each a
+    pass over vocabulary x tokens (what it saves on a GPU is for the speed rows to show).
+    Static shapes: a chunked head has two (its chunks and the last one), each compiled once."""
     return torch.compile(cross_entropy_sum, dynamic=False)
 
 
