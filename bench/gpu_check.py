@@ -31,9 +31,11 @@ slot still leaves what it did. Rows (one GPU is enough):
   no attention across documents (bench/gpu_check_packed.py);
 - ``health``: this machine's nvidia-smi outputs through train/harness/health.py;
 - ``doctor``: ``python -m launcher.doctor`` on this machine;
-- ``speed/S`` (ddp, ddp+compile, fsdp+compile, zero2): Llama 3.2 1B, bf16, seq 2048, micro-batch
-  4 on one GPU: the median tokens/s, MFU (against ``SPEED_PEAK_TFLOPS``, the H100/H200 dense
-  bf16 figure) and peak memory of the steps after the first five, from metrics.jsonl;
+- ``speed/S`` (ddp, ddp+compile, fsdp+compile, zero2): Llama 3.2 1B, bf16, seq 2048, whole
+  logits, on one GPU at the largest micro-batch of 16, 8, 4 that the planner fits on it under
+  ddp, fsdp and zero2 (``--speed-batch N`` sets it): the median tokens/s, MFU (against
+  ``SPEED_PEAK_TFLOPS``, the H100/H200 dense bf16 figure) and peak memory of the steps after
+  the first five, from metrics.jsonl;
 - ``speed/torchtitan``: torchtitan's own trainer on the same model, batch, sequence and
   compile (bench/torchtitan_speed.py), its MFU by our FLOP formula, and ddp+compile's
   tokens/s over torchtitan's (issue 31 item 7: >= 1.0).
@@ -69,9 +71,26 @@ RESUME_RTOL = 0.02   # bf16 on GPU, reductions in another order after a restart
 SPEED = {"ddp": ["+strategy=ddp"], "ddp+compile": ["+strategy=ddp", "strategy.compile=true"],
          "fsdp+compile": ["+strategy=fsdp", "strategy.compile=true"], "zero2": ["+strategy=zero2"]}
 SPEED_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16 (the datasheet's, not a measurement)
-SPEED_RUN = ["+model=llama3_1b", "train.seq_len=2048", "train.micro_batch_size=4", "train.steps=20",
-             "data.num_tokens=400000", "train.preflight=false", "optim.lr=3e-4",
+# Whole logits (as torchtitan, whose loss is never chunked) at the largest micro-batch the
+# planner fits on the GPU under every planned strategy: speed_batch().
+SPEED_RUN = ["+model=llama3_1b", "train.seq_len=2048", "model.loss_chunk_tokens=0", "train.steps=20",
+             "data.num_tokens=800000", "train.preflight=false", "optim.lr=3e-4",
              f"cluster.peak_tflops_bf16={SPEED_PEAK_TFLOPS}"]
+SPEED_BATCHES = (16, 8, 4)  # tried largest first; the smallest runs when none fits
+SPEED_PLANNED = ("ddp", "fsdp", "zero2")
+DRY_GPU_GB = 79.2  # --dry: the planner's choice for an H100's 79.2 GiB (the speed rows' own path)
+
+
+@dataclass
+class Speed:
+    """The speed rows' micro-batch (torchtitan's too) and the GPU memory it was chosen for."""
+
+    micro_batch: int = SPEED_BATCHES[-1]
+    gpu_mem_gb: Optional[float] = None
+
+    def overrides(self) -> List[str]:
+        gpu = [f"cluster.gpu_mem_gb={self.gpu_mem_gb:.1f}"] if self.gpu_mem_gb else []
+        return [f"train.micro_batch_size={self.micro_batch}", *gpu]
 
 
 @dataclass
@@ -175,8 +194,9 @@ def exited_ok(row: Row, proc: subprocess.CompletedProcess) -> str:
     return "" if proc.returncode == 0 else f"exit {proc.returncode}"
 
 
-def rows(scratch: Path) -> List[Row]:
-    """Every row, in the order they run (cheapest first where the order does not matter)."""
+def rows(scratch: Path, fast: Speed = Speed()) -> List[Row]:
+    """Every row, in the order they run (cheapest first where the order does not matter);
+    ``fast``: the speed rows' micro-batch."""
     out: List[Row] = []
     out.append(Row("health", [sys.executable, str(REPO / "bench/gpu_check_rows.py"), "health"], exited_ok,
                    launch=False))
@@ -226,10 +246,12 @@ def rows(scratch: Path) -> List[Row]:
                    exited_ok, launch=False, run_dir=scratch, report=parity))
     for name, extra in SPEED.items():
         run_dir = speed_dir(scratch, name)
-        out.append(Row(f"speed/{name}", launcher_argv(*GPU, *extra, *SPEED_RUN, f"launcher.run_dir={run_dir}"),
+        out.append(Row(f"speed/{name}", launcher_argv(*GPU, *extra, *SPEED_RUN, *fast.overrides(),
+                                                      f"launcher.run_dir={run_dir}"),
                        on_nccl, run_dir=run_dir, timeout_s=300.0, report=speed))
     run_dir = speed_dir(scratch, "torchtitan")  # the same model, batch, sequence and compile, torchtitan's loop
     out.append(Row("speed/torchtitan", [sys.executable, str(REPO / "bench/torchtitan_speed.py"), "--compile",
+                                        "--batch", str(fast.micro_batch),
                                         "--peak-tflops", str(SPEED_PEAK_TFLOPS), "--out", str(run_dir / "dump"),
                                         "--json", str(run_dir / "torchtitan.json")],
                    exited_ok, launch=False, run_dir=run_dir, timeout_s=300.0, report=beside_torchtitan))
@@ -245,6 +267,23 @@ def parity(row: Row) -> str:
     """Each engine's worst relative loss difference from engine/ddp's over their steps."""
     worst = json.loads((row.run_dir / "parity.json").read_text())
     return ", ".join(f"{name} {100 * w:.2f}%" for name, w in worst.items())
+
+
+def speed_batch(gpu_mem_gb: float) -> int:
+    """The largest of SPEED_BATCHES with which the planner (``python -m launcher.plan``, its
+    JSON) fits the speed run, whole logits, on a GPU of ``gpu_mem_gb`` under each of
+    SPEED_PLANNED (the planner's figures were above the measured peaks on an H100: 55.5 GB
+    planned, 45.4 GiB measured at micro-batch 4); the smallest when none fits."""
+    for micro_batch in SPEED_BATCHES:
+        argv = [sys.executable, "-m", "launcher.plan", *GPU, *SPEED_RUN,
+                *Speed(micro_batch, gpu_mem_gb).overrides(), "plan.format=json", "plan.top=0"]
+        proc = execute(Row("speed:plan", argv, exited_ok, timeout_s=120.0), time.time() + 120.0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[1:])} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}")
+        plans = {p["strategy"]: p for p in json.loads(proc.stdout)}
+        if all(plans[s]["fits"] for s in SPEED_PLANNED):
+            return micro_batch
+    return SPEED_BATCHES[-1]
 
 
 def speed_dir(scratch: Path, name: str) -> Path:
@@ -284,8 +323,9 @@ def speed(row: Row) -> str:
     mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
     parts = [f"{name[:-2]} {1000 * median(r[name]['max'] for r in steady):.1f}"
              for name in ("data_s", "fwd_bwd_s", "optim_s") if all(isinstance(r.get(name), dict) for r in steady)]
+    batch = f"micro-batch {steady[0]['global_batch_size']}, " if steady[0].get("global_batch_size") else ""
     return f"{tps:,.0f} tokens/s, MFU {mfu_text}, step {median(r['step_time_s'] for r in steady):.3f} s, " \
-           f"peak {mem:.1f} GiB ({len(steady)} steps)" + (f"; ms: {', '.join(parts)}" if parts else "")
+           f"{batch}peak {mem:.1f} GiB ({len(steady)} steps)" + (f"; ms: {', '.join(parts)}" if parts else "")
 
 
 def accelerate_engine(engine: str) -> Callable[[Row, subprocess.CompletedProcess], str]:
@@ -448,11 +488,29 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="rows sharing the GPU at a time (the speed rows always run alone, last)")
     parser.add_argument("--dry", action="store_true", help="build and check every command, run none (no GPU)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="an override added to every launch row (e.g. train.micro_batch_size=8 with --only speed)")
+                        help="an override added to every launch row (e.g. strategy.tf32=false; the speed rows' "
+                             "micro-batch is --speed-batch, which torchtitan's row follows too)")
+    parser.add_argument("--speed-batch", type=int, default=0,
+                        help="the speed rows' micro-batch (0: the largest of 16, 8, 4 the planner fits on this GPU)")
     parser.add_argument("--scratch", default=None, help="where runs go (default: a new temporary directory)")
     args = parser.parse_args(argv)
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="sto-gpu-check-"))
     selected = select(rows(scratch), args.only)
+    if not args.dry and selected:
+        import torch  # the rows need a GPU: say so at once rather than row by row
+
+        if not torch.cuda.is_available():
+            print(f"no CUDA here (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
+                  "run `make gpu-check` on a GPU machine, or `bench/gpu_check.py --dry` to check the rows")
+            return 2
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, scratch {scratch}", flush=True)
+    if any(r.name.startswith("speed/") for r in selected):
+        gpu = DRY_GPU_GB if args.dry else torch.cuda.get_device_properties(0).total_memory / 2**30
+        fast = Speed(args.speed_batch or speed_batch(gpu), gpu)
+        print(f"speed rows: micro-batch {fast.micro_batch}" + ("" if args.speed_batch else
+              f" (the largest of {', '.join(map(str, SPEED_BATCHES))} the planner fits on {gpu:.1f} GB, whole logits, "
+              f"under {', '.join(SPEED_PLANNED)})"), flush=True)
+        selected = select(rows(scratch, fast), args.only)
     for row in selected:  # --set after the row's own overrides: Hydra takes the last one
         for step in filter(None, [row.before, row]):
             if step.launch:
@@ -461,17 +519,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"--only {' '.join(args.only)}: no such row; rows: {', '.join(r.name for r in rows(scratch))}")
         return 2
     table = Table(Path(args.out))
-    if args.dry:
-        failed = dry_run(selected, table)
-    else:
-        import torch  # the rows need a GPU: say so at once rather than row by row
-
-        if not torch.cuda.is_available():
-            print(f"no CUDA here (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
-                  "run `make gpu-check` on a GPU machine, or `bench/gpu_check.py --dry` to check the rows")
-            return 2
-        print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, scratch {scratch}", flush=True)
-        failed = run_rows(selected, table, args.budget_s, args.jobs)
+    failed = dry_run(selected, table) if args.dry else run_rows(selected, table, args.budget_s, args.jobs)
     print(f"gpu-check: {len(table.results) - failed} passed, {failed} failed; table in {table.md}")
     return 1 if failed else 0
 

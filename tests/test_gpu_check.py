@@ -25,11 +25,10 @@ def _gpu_check(*args: str, cwd) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
-def test_dry_mode_checks_every_row(tmp_path, monkeypatch):
-    """``--dry`` over every row, in-process; its launcher rows (``python -m launcher ...
-    launcher.dry_run=true``) run forked from the warm server (tests/warm.py: the launcher's
-    own code without an interpreter's start and imports each, ~1.5 CPU-s a row), the check
-    rows as the script runs them. The script's own start is run by the tests below."""
+def _warm_modules(monkeypatch):
+    """bench.gpu_check with its ``python -m ...`` commands (the launcher's dry runs, the
+    planner) forked from the warm server (tests/warm.py: the code without an interpreter's
+    start and imports each, ~1.5 CPU-s a command); the others as the script runs them."""
     sys.path.insert(0, str(REPO))
     import bench.gpu_check as gpu_check
 
@@ -42,7 +41,16 @@ def test_dry_mode_checks_every_row(tmp_path, monkeypatch):
         return plain(row, deadline)
 
     monkeypatch.setattr(gpu_check, "execute", execute)
+    return gpu_check
+
+
+def test_dry_mode_checks_every_row(tmp_path, monkeypatch, capsys):
+    """``--dry`` over every row, in-process (launcher rows forked warm: _warm_modules). The
+    script's own start is run by the tests below. The speed rows and torchtitan's take the
+    micro-batch the planner fits on an H100 (79.2 GiB), whole logits: 4."""
+    gpu_check = _warm_modules(monkeypatch)
     assert gpu_check.main(["--dry", "--out", str(tmp_path / "out"), "--scratch", str(tmp_path / "scratch")]) == 0
+    assert "speed rows: micro-batch 4 (the largest of 16, 8, 4 the planner fits on 79.2 GB" in capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "out" / "gpu_check.jsonl").read_text().splitlines()]
     assert {r["row"] for r in rows} == ROWS
     assert all(r["result"] == "dry" for r in rows), [r for r in rows if r["result"] != "dry"]
@@ -153,3 +161,15 @@ def test_the_parity_row_compares_every_engine_row_with_ddp(tmp_path, capsys):
     assert parity_row(tmp_path, dry=False) == 1
     out = capsys.readouterr().out
     assert "not the same maths: pp: steps [1, 2] vs ddp's [1, 2, 3]; ddp+compile 4.00% > 2%" in out
+
+
+def test_the_speed_rows_take_the_largest_micro_batch_the_planner_fits(tmp_path, monkeypatch):
+    """An H200's 139.8 GiB fits micro-batch 8 with whole logits (16 does not), 200 GB 16: the
+    speed rows and torchtitan's row run it, with the GPU's memory for the launcher's gate."""
+    gpu_check = _warm_modules(monkeypatch)
+    assert [gpu_check.speed_batch(gb) for gb in (139.8, 200.0)] == [8, 16]
+    rows = {r.name: r for r in gpu_check.rows(tmp_path, gpu_check.Speed(8, 139.8))}
+    assert {"train.micro_batch_size=8", "cluster.gpu_mem_gb=139.8", "model.loss_chunk_tokens=0"} <= \
+        set(rows["speed/fsdp+compile"].argv)
+    titan = rows["speed/torchtitan"].argv
+    assert titan[titan.index("--batch") + 1] == "8"
