@@ -47,6 +47,7 @@ rows cannot rot on machines without a GPU (tests/test_gpu_check.py runs it in CI
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -87,6 +88,7 @@ class Speed:
 
     micro_batch: int = SPEED_BATCHES[-1]
     gpu_mem_gb: Optional[float] = None
+    planned: Dict[str, float] = field(default_factory=dict)  # strategy -> the planner's bytes a GPU
 
     def overrides(self) -> List[str]:
         gpu = [f"cluster.gpu_mem_gb={self.gpu_mem_gb:.1f}"] if self.gpu_mem_gb else []
@@ -248,7 +250,8 @@ def rows(scratch: Path, fast: Speed = Speed()) -> List[Row]:
         run_dir = speed_dir(scratch, name)
         out.append(Row(f"speed/{name}", launcher_argv(*GPU, *extra, *SPEED_RUN, *fast.overrides(),
                                                       f"launcher.run_dir={run_dir}"),
-                       on_nccl, run_dir=run_dir, timeout_s=300.0, report=speed))
+                       on_nccl, run_dir=run_dir, timeout_s=300.0,
+                       report=functools.partial(speed, planned=fast.planned.get(name.split("+")[0]))))
     run_dir = speed_dir(scratch, "torchtitan")  # the same model, batch, sequence and compile, torchtitan's loop
     out.append(Row("speed/torchtitan", [sys.executable, str(REPO / "bench/torchtitan_speed.py"), "--compile",
                                         "--batch", str(fast.micro_batch),
@@ -269,11 +272,14 @@ def parity(row: Row) -> str:
     return ", ".join(f"{name} {100 * w:.2f}%" for name, w in worst.items())
 
 
-def speed_batch(gpu_mem_gb: float) -> int:
+def speed_batch(gpu_mem_gb: float) -> Speed:
     """The largest of SPEED_BATCHES with which the planner (``python -m launcher.plan``, its
     JSON) fits the speed run, whole logits, on a GPU of ``gpu_mem_gb`` under each of
     SPEED_PLANNED (the planner's figures were above the measured peaks on an H100: 55.5 GB
-    planned, 45.4 GiB measured at micro-batch 4); the smallest when none fits."""
+    planned, 45.4 GiB measured at micro-batch 4); the smallest when none fits. With the
+    planner's bytes a GPU of each, which the speed rows report beside their measured peaks
+    (what calibrates its CUDA_OVERHEAD and FRAGMENTATION assumptions)."""
+    plans: dict = {}
     for micro_batch in SPEED_BATCHES:
         argv = [sys.executable, "-m", "launcher.plan", *GPU, *SPEED_RUN,
                 *Speed(micro_batch, gpu_mem_gb).overrides(), "plan.format=json", "plan.top=0"]
@@ -282,8 +288,8 @@ def speed_batch(gpu_mem_gb: float) -> int:
             raise RuntimeError(f"{' '.join(argv[1:])} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}")
         plans = {p["strategy"]: p for p in json.loads(proc.stdout)}
         if all(plans[s]["fits"] for s in SPEED_PLANNED):
-            return micro_batch
-    return SPEED_BATCHES[-1]
+            break
+    return Speed(micro_batch, gpu_mem_gb, {s: plans[s]["total_bytes"] for s in SPEED_PLANNED})
 
 
 def speed_dir(scratch: Path, name: str) -> Path:
@@ -310,8 +316,9 @@ def beside_torchtitan(row: Row) -> str:
     return text + (f"; ddp+compile / torchtitan {median(ours) / titan['tokens_per_s']:.3f}" if ours else "")
 
 
-def speed(row: Row) -> str:
-    """Median tokens/s, MFU and the busiest rank's peak memory over the steps after the fifth."""
+def speed(row: Row, planned: Optional[float] = None) -> str:
+    """Median tokens/s, MFU and the busiest rank's peak memory (allocated, and the caching
+    allocator's reserved) over the steps after the fifth; ``planned``: the planner's bytes."""
     from statistics import median
 
     steady = steady_rows(row.run_dir)
@@ -324,8 +331,11 @@ def speed(row: Row) -> str:
     parts = [f"{name[:-2]} {1000 * median(r[name]['max'] for r in steady):.1f}"
              for name in ("data_s", "fwd_bwd_s", "optim_s") if all(isinstance(r.get(name), dict) for r in steady)]
     batch = f"micro-batch {steady[0]['global_batch_size']}, " if steady[0].get("global_batch_size") else ""
+    reserved = max(r.get("peak_reserved_bytes") or 0 for r in steady) / 2**30
+    memory = f"peak {mem:.1f} GiB" + (f", reserved {reserved:.1f} GiB" if reserved else "") + \
+        (f", planned {planned / 2**30:.1f} GiB" if planned else "")
     return f"{tps:,.0f} tokens/s, MFU {mfu_text}, step {median(r['step_time_s'] for r in steady):.3f} s, " \
-           f"{batch}peak {mem:.1f} GiB ({len(steady)} steps)" + (f"; ms: {', '.join(parts)}" if parts else "")
+           f"{batch}{memory} ({len(steady)} steps)" + (f"; ms: {', '.join(parts)}" if parts else "")
 
 
 def accelerate_engine(engine: str) -> Callable[[Row, subprocess.CompletedProcess], str]:
@@ -506,7 +516,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, scratch {scratch}", flush=True)
     if any(r.name.startswith("speed/") for r in selected):
         gpu = DRY_GPU_GB if args.dry else torch.cuda.get_device_properties(0).total_memory / 2**30
-        fast = Speed(args.speed_batch or speed_batch(gpu), gpu)
+        fast = speed_batch(gpu)
+        if args.speed_batch:  # the planner's bytes are then those of its own choice: not reported
+            fast = Speed(args.speed_batch, gpu)
         print(f"speed rows: micro-batch {fast.micro_batch}" + ("" if args.speed_batch else
               f" (the largest of {', '.join(map(str, SPEED_BATCHES))} the planner fits on {gpu:.1f} GB, whole logits, "
               f"under {', '.join(SPEED_PLANNED)})"), flush=True)

@@ -85,6 +85,11 @@ def test_speed_row_reports_the_steady_steps(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert speed(Row("speed/x", [], exited_ok, run_dir=tmp_path)).endswith(
         "(5 steps); ms: data 2.0, fwd_bwd 400.0, optim 90.0")
+    for r in rows:  # the allocator's reserved peak, the batch, and the planner's figure beside them
+        r.update(peak_reserved_bytes=3 * 2**30, global_batch_size=8)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "micro-batch 8, peak 2.0 GiB, reserved 3.0 GiB, planned 4.5 GiB (5 steps)" in \
+        speed(Row("speed/x", [], exited_ok, run_dir=tmp_path), planned=4.5 * 2**30)
 
 
 def test_a_resume_row_brings_the_engine_row_it_is_compared_with(tmp_path):
@@ -167,8 +172,10 @@ def test_the_speed_rows_take_the_largest_micro_batch_the_planner_fits(tmp_path, 
     """An H200's 139.8 GiB fits micro-batch 8 with whole logits (16 does not), 200 GB 16: the
     speed rows and torchtitan's row run it, with the GPU's memory for the launcher's gate."""
     gpu_check = _warm_modules(monkeypatch)
-    assert [gpu_check.speed_batch(gb) for gb in (139.8, 200.0)] == [8, 16]
-    rows = {r.name: r for r in gpu_check.rows(tmp_path, gpu_check.Speed(8, 139.8))}
+    h200, big = gpu_check.speed_batch(139.8), gpu_check.speed_batch(200.0)
+    assert (h200.micro_batch, big.micro_batch) == (8, 16)
+    assert set(h200.planned) == {"ddp", "fsdp", "zero2"} and all(b < 139.8 * 2**30 for b in h200.planned.values())
+    rows = {r.name: r for r in gpu_check.rows(tmp_path, h200)}
     assert {"train.micro_batch_size=8", "cluster.gpu_mem_gb=139.8", "model.loss_chunk_tokens=0"} <= \
         set(rows["speed/fsdp+compile"].argv)
     titan = rows["speed/torchtitan"].argv
