@@ -371,7 +371,7 @@ class Table:
         with self.jsonl.open("a") as f:
             f.write(json.dumps(entry) + "\n")
         lines = ["| row | result | s | detail |", "|---|---|---|---|"]
-        lines += [f"| {r['row']} | {r['result']} | {r['s']:.1f} | {r['detail'][:160]} |" for r in self.results]
+        lines += [f"| {r['row']} | {r['result']} | {r['s']:.1f} | {r['detail'][:240]} |" for r in self.results]
         self.md.write_text("\n".join(lines) + "\n")
         print(f"{name:24s} {result:5s} {seconds:6.1f} s  {detail}", flush=True)
 
