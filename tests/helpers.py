@@ -128,3 +128,23 @@ if [ "$(wc -l < "$CALLS")" -eq 1 ]; then
 fi
 exit 0
 """
+
+
+def trained_in_process(tmp_path, function, overrides: list) -> tuple:
+    """A one-rank run directory written by the launcher's dry run (``overrides`` on top of a
+    16-token sequence and its own data), trained by ``function(rank, run_dir, out)`` in a
+    process forked warm (tests/warm.py), as the trainer runs it: (what ``function`` wrote to
+    out.json, the run's metrics rows, the run directory)."""
+    import json
+
+    import warm
+    from conftest import run_dir_of
+
+    prep = warm.launcher([*overrides, "train.seq_len=16", "data.num_tokens=20000", f"data.cache_dir={tmp_path}/d",
+                          "cluster.gpus_per_node=1", "launcher.dry_run=true"], cwd=tmp_path)
+    assert prep.returncode == 0, prep.stdout + prep.stderr
+    run_dir = run_dir_of(prep.stdout)
+    proc = warm.call_ranks(function, 1, (str(run_dir), str(tmp_path / "out.json")), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((tmp_path / "out.json").read_text()), rows, run_dir

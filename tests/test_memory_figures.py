@@ -8,8 +8,7 @@ import json
 
 import torch
 
-import warm
-from conftest import run_dir_of
+from helpers import trained_in_process
 from train import metrics
 
 
@@ -61,15 +60,8 @@ def train_counting_resets(rank: int, run_dir: str, out: str) -> None:
 
 
 def test_each_row_has_its_own_steps_peaks(tmp_path):
-    prep = warm.launcher(["train.steps=3", "train.seq_len=16", "data.num_tokens=20000", f"data.cache_dir={tmp_path}/d",
-                          "cluster.gpus_per_node=1", "launcher.dry_run=true"], cwd=tmp_path)
-    assert prep.returncode == 0, prep.stdout + prep.stderr
-    run_dir = run_dir_of(prep.stdout)
-    proc = warm.call_ranks(train_counting_resets, 1, (str(run_dir), str(tmp_path / "out.json")), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads((tmp_path / "out.json").read_text())
+    out, rows, _ = trained_in_process(tmp_path, train_counting_resets, ["train.steps=3"])
     assert out == {"code": 0, "resets": 3}
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["peak_reserved_bytes"] for r in rows] == [1000, 1000, 1000]  # reset as each step began
     assert all(r["peak_mem_bytes"] > 0 for r in rows)
 

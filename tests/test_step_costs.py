@@ -26,8 +26,7 @@ from pathlib import Path
 import pytest
 
 import warm
-from conftest import run_dir_of
-from helpers import compose_run
+from helpers import compose_run, trained_in_process
 from launcher.local import free_port
 
 pytestmark = pytest.mark.slow
@@ -151,19 +150,6 @@ def test_compiled_blocks_and_loss_are_compiled_once(tmp_path, strategy):
         assert len(step["losses"]) == 3 and step["eager_loss_ops"] == [], step
 
 
-def _trained_in_process(tmp_path: Path, function, overrides: list) -> tuple:
-    """A run directory from the launcher's dry run, trained by ``function`` (one rank, forked
-    warm): what it wrote to out.json, and the run's metrics rows."""
-    prep = warm.launcher([*overrides, "train.seq_len=16", "data.num_tokens=20000", f"data.cache_dir={tmp_path}/d",
-                          "cluster.gpus_per_node=1", "launcher.dry_run=true"], cwd=tmp_path)
-    assert prep.returncode == 0, prep.stdout + prep.stderr
-    run_dir = run_dir_of(prep.stdout)
-    proc = warm.call_ranks(function, 1, (str(run_dir), str(tmp_path / "out.json")), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((tmp_path / "out.json").read_text()), rows
-
-
 def train_watching_reads(rank: int, run_dir: str, out: str) -> None:
     """The trainer in this process; the loss and grad norm each step returns are marked, and
     any host read of a marked tensor recorded, as is whether the loader's batches were read ahead."""
@@ -204,7 +190,7 @@ def train_watching_reads(rank: int, run_dir: str, out: str) -> None:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_host_reads_a_step_once_and_its_batches_ahead(tmp_path, strategy):
-    out, rows = _trained_in_process(tmp_path, train_watching_reads, [f"+strategy={strategy}", "train.steps=4"])
+    out, rows, _ = trained_in_process(tmp_path, train_watching_reads, [f"+strategy={strategy}", "train.steps=4"])
     assert out == {"code": 0, "reads": [], "read_ahead": [False, True, True, True]}
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the values still reach the metrics
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rows)
@@ -237,7 +223,7 @@ def train_with_a_slow_metrics_file(rank: int, run_dir: str, out: str) -> None:
 
 
 def test_a_slow_metrics_file_does_not_hold_the_steps_and_a_checkpoint_has_its_rows(tmp_path):
-    out, rows = _trained_in_process(tmp_path, train_with_a_slow_metrics_file,
+    out, rows, _ = trained_in_process(tmp_path, train_with_a_slow_metrics_file,
                                     ["train.steps=6", "checkpoint.every_steps=3"])
     assert out["code"] == 0
     assert out["at_save"] == {"3": [1, 2, 3], "6": [1, 2, 3, 4, 5, 6]}  # flushed before each checkpoint
