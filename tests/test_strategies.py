@@ -36,6 +36,8 @@ CASES = [
     # compiled once (tests/test_step_costs.py); the loss in chunks, and a pipeline's loss_fn
     ("ddp", (1, 2), ["strategy.compile=true"]),
     ("fsdp", (1, 2), ["strategy.compile=true", "model.loss_chunk_tokens=48"]),
+    ("zero2", (1, 2), ["strategy.compile=true"]),  # blocks compiled before deepspeed.initialize
+    ("fsdp_tp", (1, 2), ["strategy.compile=true"]),  # DTensor blocks; the loss vocab-parallel, eager
     ("fsdp", (1, 2), ["model.loss_chunk_tokens=48"]),  # head + loss in 3 checkpointed chunks (train/loss.py)
     ("fsdp_grad_op", (1, 2), ["train.grad_accum=2"]),
     ("fsdp_grad_op", (1, 4), []),

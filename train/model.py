@@ -21,6 +21,7 @@ from spec.model_size import count_params, ffn_hidden_dim, head_dim  # noqa: F401
 from train.initial import fill_initial, local_runs
 from train.loss import chunked_head_loss, loss_chunk_tokens, loss_sum
 from train.packed_attention import Mask, document_attention, document_context
+from train.torch_compat import settled
 
 
 class RMSNorm(nn.Module):
@@ -218,7 +219,8 @@ class Transformer(nn.Module):
         (not under tensor parallel: its vocab-sharded logits take the vocab-parallel loss).
         ``positions`` (packed sequences, ``data.packing``): each token's position in its
         document; attention stays inside documents (train/packed_attention.py)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # settled: the TP embedding's output may be a pending collective (train/torch_compat.py)
+        h = settled(self.tok_embeddings(tokens)) if self.tok_embeddings is not None else tokens
         if positions is None:
             for layer in self.layers.values():
                 h = layer(h, self.rope)

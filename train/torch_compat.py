@@ -31,6 +31,10 @@ through :func:`torch_save_without_crc`, which keeps torch.save's CRC where a rel
   wrapper's prefix, which DCP and FSDP rely on), as torchtitan uses it; no public
   equivalent. :func:`checkpoint_wrapper` imports it, or says what is missing.
 
+- ``torch.distributed._functional_collectives.AsyncCollectiveTensor`` (train/model.py): the
+  type of a collective's pending result, which :func:`settled` turns into a plain tensor
+  before the compiled blocks (a compiled block given one lost its gradient on 2.13).
+
 - ``torch.utils.cpp_extension.TORCH_LIB_PATH``, a module constant that its JIT builds
   link against, unquoted: :func:`link_path_without_spaces` repoints it under a path with
   a space (DeepSpeed's CPU communication op, train/strategies/deepspeed.py).
@@ -190,3 +194,19 @@ def checkpoint_wrapper(module: torch.nn.Module, preserve_rng_state: bool) -> tor
         raise _missing("torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
                        "activation checkpointing (strategy.activation_checkpointing) uses") from None
     return wrap(module, preserve_rng_state=preserve_rng_state)
+
+
+def settled(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor where it is the pending result of a functional collective
+    (``AsyncCollectiveTensor``: the tensor-parallel embedding's reduce-scatter, with
+    ``use_local_output``), through one op that waits for it (a copy: autograd intact);
+    ``t`` itself otherwise. Given such a tensor as its input, a compiled block on torch 2.13
+    passed no gradient back (seen on CPU/gloo, 2026-11-27: a TP model with compiled blocks
+    left its embedding's gradient at zero, so the embedding never trained; 2.11 gave the
+    eager gradient), and both releases compiled the first block twice (pytorch#187073:
+    that input and a plain one guard apart). Blocks get a plain tensor instead."""
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except ImportError:  # a release without it has no such tensor to settle
+        return t
+    return t.clone() if isinstance(t, AsyncCollectiveTensor) else t
