@@ -55,7 +55,7 @@ FLOOR_TESTS := tests/test_torch_compat.py tests/test_checkpoint_reader.py tests/
     rank1_share_of_the_checksums_is_verified_on_resume truncated_or_corrupt_checkpoint_is_skipped \
     async_save_commits_and_does_not_change_training checkpoint_on_demand,tests/test_checkpoint.py::test_$(t)) \
   $(foreach c,ddp-1x4 ddp-1x2-compile fsdp-1x2-compile fsdp-1x2-48 hsdp-2x2-2 zero2-1x2-2 zero3-1x2-48 tp-1x2 \
-    fsdp_tp-1x2-selective pp-1x2-interleaved_1f1b pp_fsdp_tp-1x4-full,'tests/test_strategies.py::test_matches_single_process[$(c)]') \
+    fsdp_tp-1x2-selective fsdp_tp-1x2-full pp-1x2-interleaved_1f1b pp_fsdp_tp-1x4-full,'tests/test_strategies.py::test_matches_single_process[$(c)]') \
   $(foreach c,fsdp tp,'tests/test_resume_strategies.py::test_kill_in_save_then_resume_is_exact[$(c)]') \
   tests/test_reshard.py::test_fsdp_resumed_with_tensor_parallel \
   tests/test_hf.py::test_forward_matches_transformers tests/test_hf.py::test_bad_checkpoints_are_refused_naming_what_is_wrong \

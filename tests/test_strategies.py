@@ -38,6 +38,8 @@ CASES = [
     ("fsdp", (1, 2), ["strategy.compile=true", "model.loss_chunk_tokens=48"]),
     ("zero2", (1, 2), ["strategy.compile=true"]),  # blocks compiled before deepspeed.initialize
     ("fsdp_tp", (1, 2), ["strategy.compile=true"]),  # DTensor blocks; the loss vocab-parallel, eager
+    # compiled, checkpointed TP blocks: torch 2.13 refuses them (COMPILED_TP_AC_FAILS), the floor runs them
+    ("fsdp_tp", (1, 2), ["strategy.activation_checkpointing=full", "strategy.compile=true"]),
     ("fsdp", (1, 2), ["model.loss_chunk_tokens=48"]),  # head + loss in 3 checkpointed chunks (train/loss.py)
     ("fsdp_grad_op", (1, 2), ["train.grad_accum=2"]),
     ("fsdp_grad_op", (1, 4), []),
@@ -106,6 +108,11 @@ def _ids(case):
 
 @pytest.mark.parametrize("strategy,shape,extra", CASES, ids=[_ids(c) for c in CASES])
 def test_matches_single_process(workdir, references, strategy, shape, extra):
+    if {"strategy.compile=true", "strategy.activation_checkpointing=full"} <= set(extra) and strategy.endswith("tp"):
+        from train.torch_compat import COMPILED_TP_AC_FAILS, torch_version
+
+        if torch_version() >= COMPILED_TP_AC_FAILS:  # the refusal: tests/test_torch_compat.py
+            pytest.skip("refused on this torch (its AOTAutograd fails); make test-torch-floor runs it on 2.11")
     # the reference keeps whole logits: a chunked head + loss must match it
     reference = references([e for e in extra if e.startswith("model.") and "loss_chunk" not in e])
     nodes, gpn = shape

@@ -184,3 +184,21 @@ def test_checkpoint_wrapper_keeps_the_parameter_names():
     assert list(wrapped.state_dict()) == list(block.state_dict())
     x = torch.randn(3, 4, requires_grad=True)
     assert torch.equal(wrapped(x), block(x))
+
+
+@pytest.mark.parametrize("version,compiled,tp,checkpointed,refused", [
+    ("2.13.0+cpu", True, True, True, True), ("2.14.0", True, True, True, True),
+    ("2.11.0+cu130", True, True, True, False), ("2.13.0+cpu", False, True, True, False),
+    ("2.13.0+cpu", True, False, True, False), ("2.13.0+cpu", True, True, False, False),
+])
+def test_compiled_tp_checkpointing_is_refused_where_torch_fails_it(version, compiled, tp, checkpointed, refused):
+    """strategy.compile with tensor parallel and activation checkpointing: refused in one line
+    from torch 2.13 (its AOTAutograd fails in the first backward), run on 2.11."""
+    if not refused:
+        torch_compat.refuse_compiled_tp_checkpointing(compiled, tp, checkpointed, version, host="n1")
+        return
+    with pytest.raises(torch_compat.UnsupportedTorch) as err:
+        torch_compat.refuse_compiled_tp_checkpointing(compiled, tp, checkpointed, version, host="n1")
+    assert str(err.value).startswith(f"n1: torch {version}: strategy.compile=true with tensor parallel and activation "
+                                     "checkpointing fails") and "set strategy.activation_checkpointing=none" in \
+        str(err.value) and "\n" not in str(err.value)

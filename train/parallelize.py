@@ -27,6 +27,7 @@ from train.strategies import get_builder
 from train.strategies.base import Engine, EngineBuilder
 from train.strategies.tp import apply_tp
 from train.torch_compat import checkpoint_wrapper  # torch's private wrapper: fenced there
+from train.torch_compat import refuse_compiled_tp_checkpointing
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
@@ -67,6 +68,9 @@ def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistCon
     """Steps 1-6 above on ``model`` (on the meta device)."""
     builder = make_builder(cfg, layout, ctx)
     vocab_parallel = keeps_logits_sharded(layout)
+    ac = ac_mode(cfg.strategy.activation_checkpointing)
+    refuse_compiled_tp_checkpointing(cfg.strategy.compile, layout.tp_enabled,
+                                     any(ac.recomputes(i) for i in range(cfg.model.n_layers)))
 
     def prepare(part: Transformer) -> None:
         """Steps 1-3 on the whole model, or on one pipeline stage."""

@@ -210,3 +210,25 @@ def settled(t: torch.Tensor) -> torch.Tensor:
     except ImportError:  # a release without it has no such tensor to settle
         return t
     return t.clone() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+#: The first release on which compiled, activation-checkpointed tensor-parallel blocks fail
+#: (:func:`refuse_compiled_tp_checkpointing`); 2.11 runs them.
+COMPILED_TP_AC_FAILS: Tuple[int, int] = (2, 13)
+
+
+def refuse_compiled_tp_checkpointing(compiled: bool, tensor_parallel: bool, checkpointed: bool,
+                                     version: Optional[str] = None, host: Optional[str] = None) -> None:
+    """Refuse (:class:`UnsupportedTorch`, one line, at the build) ``strategy.compile`` with
+    tensor parallel and activation checkpointing on torch >= 2.13: its AOTAutograd fails in a
+    checkpointed TP block's first backward ("expected all tensors_saved_with_vc_check to be
+    Tensors": a DeviceMesh among the saved values; seen on 2.13 CPU/gloo, 2026-11-27, not on
+    2.11). Newer releases are refused until one is tested."""
+    text = str(torch.__version__) if version is None else version
+    if not (compiled and tensor_parallel and checkpointed) or torch_version(text) < COMPILED_TP_AC_FAILS:
+        return
+    raise UnsupportedTorch(
+        f"{host or socket.gethostname()}: torch {text}: strategy.compile=true with tensor parallel and activation "
+        f"checkpointing fails in its AOTAutograd from {_text(COMPILED_TP_AC_FAILS)} on (a checkpointed TP block's "
+        f"saved values hold a DeviceMesh; {_text(FLOOR)} runs it): set strategy.activation_checkpointing=none or "
+        f"strategy.compile=false, or use torch {_text(FLOOR)}")
