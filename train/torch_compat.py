@@ -203,8 +203,8 @@ def settled(t: torch.Tensor) -> torch.Tensor:
     ``t`` itself otherwise. Given such a tensor as its input, a compiled block on torch 2.13
     passed no gradient back (seen on CPU/gloo, 2026-11-27: a TP model with compiled blocks
     left its embedding's gradient at zero, so the embedding never trained; 2.11 gave the
-    eager gradient), and both releases compiled the first block twice (pytorch#187073:
-    that input and a plain one guard apart). Blocks get a plain tensor instead."""
+    eager gradient), and the first block compiled twice (seen on 2.13; pytorch#187073: that
+    input and a plain one guard apart). Blocks get a plain tensor instead."""
     try:
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
     except ImportError:  # a release without it has no such tensor to settle
