@@ -32,20 +32,27 @@ from launcher.local import free_port
 pytestmark = pytest.mark.slow
 
 
-def count_collectives(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
-    """One step of one micro-batch, then one of two: the collectives each step called."""
+def _engine(rank: int, world: int, port: int, cfg):
+    """This rank's engine of ``cfg``, built as the trainer builds it, in a process given a
+    torchrun rank's environment (``shutdown`` ends it)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch
-    import torch.distributed as dist
-
     from spec.layout import build_layout
-    from train.harness.dist import init_distributed, shutdown
+    from train.harness.dist import init_distributed
     from train.model import build_model
     from train.parallelize import parallelize
 
-    ctx = init_distributed(120)
-    engine = parallelize(build_model(cfg.model, "meta"), cfg, build_layout(cfg), ctx)
+    return parallelize(build_model(cfg.model, "meta"), cfg, build_layout(cfg), init_distributed(120))
+
+
+def count_collectives(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
+    """One step of one micro-batch, then one of two: the collectives each step called."""
+    import torch
+    import torch.distributed as dist
+
+    from train.harness.dist import shutdown
+
+    engine = _engine(rank, world, port, cfg)
     calls = {"all_reduce": 0, "broadcast": 0}
 
     def counted(name, real):
@@ -70,17 +77,11 @@ def count_collectives(rank: int, world: int, port: int, cfg, out_dir: str) -> No
 
 def casts_forward_inputs(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
     """Two steps under torch.profiler: whether FSDP cast any unit's forward inputs."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
 
-    from spec.layout import build_layout
-    from train.harness.dist import init_distributed, shutdown
-    from train.model import build_model
-    from train.parallelize import parallelize
+    from train.harness.dist import shutdown
 
-    ctx = init_distributed(120)
-    engine = parallelize(build_model(cfg.model, "meta"), cfg, build_layout(cfg), ctx)
+    engine = _engine(rank, world, port, cfg)
     batch = torch.randint(0, cfg.model.vocab_size, (1, 17), generator=torch.Generator().manual_seed(rank))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(2):
@@ -93,19 +94,13 @@ def casts_forward_inputs(rank: int, world: int, port: int, cfg, out_dir: str) ->
 
 def compiles_once(rank: int, world: int, port: int, cfg, out_dir: str) -> None:
     """Build (DDP settles its buckets) and three steps with dynamo's recompiles made errors."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch._dynamo
 
-    from spec.layout import build_layout
-    from train.harness.dist import init_distributed, shutdown
-    from train.model import build_model
-    from train.parallelize import parallelize
+    from train.harness.dist import shutdown
 
     torch._dynamo.config.error_on_recompile = True
-    ctx = init_distributed(120)
-    engine = parallelize(build_model(cfg.model, "meta"), cfg, build_layout(cfg), ctx)
+    engine = _engine(rank, world, port, cfg)
     batch = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(rank))
     losses = [float(engine.train_step([(batch[:, :-1], batch[:, 1:])], 1e-3)[0]) for _ in range(2)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
