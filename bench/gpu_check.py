@@ -370,9 +370,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, scratch {scratch}", flush=True)
     if any(r.name.startswith("speed/") for r in selected):
         gpu = DRY_GPU_GB if args.dry else torch.cuda.get_device_properties(0).total_memory / 2**30
-        fast = speed_batch(gpu)
-        if args.speed_batch:  # the planner's bytes are then those of its own choice: not reported
-            fast = Speed(args.speed_batch, gpu)
+        # --speed-batch: no planner run (its bytes would be those of its own choice: not reported)
+        fast = Speed(args.speed_batch, gpu) if args.speed_batch else speed_batch(gpu)
         print(f"speed rows: micro-batch {fast.micro_batch}" + ("" if args.speed_batch else
               f" (the largest of {', '.join(map(str, SPEED_BATCHES))} the planner fits on {gpu:.1f} GB, whole logits, "
               f"under {', '.join(SPEED_PLANNED)})"), flush=True)

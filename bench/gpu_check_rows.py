@@ -101,8 +101,7 @@ def parity(scratch: Path, dry: bool) -> int:
     model, data, seed and steps): writes SCRATCH/parity.json (engine -> worst relative
     difference) and fails when one is beyond it or has other steps. Under ``--dry`` the rows
     it reads are listed."""
-    from bench.gpu_check import ENGINES, engine_dir
-    from spec.rundir import read_metrics
+    from bench.gpu_check import ENGINES, _losses, engine_dir
 
     others = [name for name in ENGINES if name != "ddp"]
     if dry:
@@ -110,7 +109,7 @@ def parity(scratch: Path, dry: bool) -> int:
         return 0
 
     def losses(name: str) -> dict:
-        return {r["step"]: r["loss"] for r in read_metrics(engine_dir(scratch, name)) if r.get("loss") is not None}
+        return _losses(engine_dir(scratch, name))
 
     reference, worst, bad = losses("ddp"), {}, []
     if not reference:
