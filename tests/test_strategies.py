@@ -108,18 +108,22 @@ def _ids(case):
 
 @pytest.mark.parametrize("strategy,shape,extra", CASES, ids=[_ids(c) for c in CASES])
 def test_matches_single_process(workdir, references, strategy, shape, extra):
-    if {"strategy.compile=true", "strategy.activation_checkpointing=full"} <= set(extra) and strategy.endswith("tp"):
-        from train.torch_compat import COMPILED_TP_AC_FAILS, torch_version
-
-        if torch_version() >= COMPILED_TP_AC_FAILS:  # the refusal: tests/test_torch_compat.py
-            pytest.skip("refused on this torch (its AOTAutograd fails); make test-torch-floor runs it on 2.11")
-    # the reference keeps whole logits: a chunked head + loss must match it
-    reference = references([e for e in extra if e.startswith("model.") and "loss_chunk" not in e])
     nodes, gpn = shape
     ranks = nodes * gpn
     overrides = [f"+strategy={strategy}", f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpn}", *extra]
     cfg = compose_run(overrides)
-    dp = build_layout(cfg).dp  # TP ranks share their data: the batch splits over dp only
+    layout = build_layout(cfg)
+    if cfg.strategy.compile:  # what this torch refuses to compile (tests/test_torch_compat.py), the floor runs
+        from train.parallelize import refuse_unsupported_compile
+        from train.torch_compat import UnsupportedTorch
+
+        try:
+            refuse_unsupported_compile(cfg, layout)
+        except UnsupportedTorch as refused:
+            pytest.skip(f"refused on this torch, run by make test-torch-floor: {refused}")
+    # the reference keeps whole logits: a chunked head + loss must match it
+    reference = references([e for e in extra if e.startswith("model.") and "loss_chunk" not in e])
+    dp = layout.dp  # TP ranks share their data: the batch splits over dp only
     micro = GLOBAL_BATCH // dp // cfg.train.grad_accum
     run = _run(workdir, workdir / "data", overrides + [f"train.micro_batch_size={micro}"])
     rows = read_metrics(run)

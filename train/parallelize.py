@@ -47,6 +47,14 @@ def apply_compile(model: Transformer) -> None:
     model.compile_loss = True
 
 
+def refuse_unsupported_compile(cfg: RunConfig, layout: Layout) -> None:
+    """Raise UnsupportedTorch for a ``strategy.compile`` this torch cannot run with the run's
+    layout and checkpointing (train/torch_compat.py: TP + activation checkpointing from 2.13)."""
+    ac = ac_mode(cfg.strategy.activation_checkpointing)
+    refuse_compiled_tp_checkpointing(cfg.strategy.compile, layout.tp_enabled,
+                                     any(ac.recomputes(i) for i in range(cfg.model.n_layers)))
+
+
 def make_builder(cfg: RunConfig, layout: Layout, ctx: DistContext) -> EngineBuilder:
     """The job's one DeviceMesh and the builder of its strategy (collective: the mesh)."""
     check_supported(cfg, layout)
@@ -68,9 +76,7 @@ def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistCon
     """Steps 1-6 above on ``model`` (on the meta device)."""
     builder = make_builder(cfg, layout, ctx)
     vocab_parallel = keeps_logits_sharded(layout)
-    ac = ac_mode(cfg.strategy.activation_checkpointing)
-    refuse_compiled_tp_checkpointing(cfg.strategy.compile, layout.tp_enabled,
-                                     any(ac.recomputes(i) for i in range(cfg.model.n_layers)))
+    refuse_unsupported_compile(cfg, layout)
 
     def prepare(part: Transformer) -> None:
         """Steps 1-3 on the whole model, or on one pipeline stage."""
