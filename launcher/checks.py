@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 from launcher import submit
+from launcher.plan.checkpoints import SavePlan, resolve as resolve_saves
 from launcher.plan.gate import check_fits
 from slurm import query
 from slurm.states import ended, is_job_id, succeeded
@@ -27,9 +28,12 @@ from spec.validate import validate
 SIGNAL_SLACK_S = 60
 
 
-def check(cfg: RunConfig, probe: Optional[submit.SlurmProbe] = None) -> Tuple[Layout, Optional[str]]:
-    """Every check that needs no submission; returns the layout and the slurm.conf to use.
-    ``probe``: what Slurm already said during this launch (a sweep asks once)."""
+def check(cfg: RunConfig, probe: Optional[submit.SlurmProbe] = None
+          ) -> Tuple[Layout, Optional[str], Optional[SavePlan]]:
+    """Every check that needs no submission; returns the layout, the slurm.conf to use and
+    the checkpoint plan (None for a user's entry point). ``probe``: what Slurm already said
+    during this launch (a sweep asks once). The checkpoint section's nulls are resolved in
+    ``cfg`` (launcher/plan/checkpoints.py): the interval, async, the save's hang bound."""
     validate(cfg)
     layout = build_layout(cfg)
     check_supported(cfg, layout)
@@ -39,6 +43,7 @@ def check(cfg: RunConfig, probe: Optional[submit.SlurmProbe] = None) -> Tuple[La
         check_data(cfg)
         schedule(cfg, layout)  # train.epochs: the steps the data gives (refused when it cannot be read)
         check_fits(cfg, layout)  # refuse what is predicted not to fit (launcher.allow_oom=true overrides)
+    saves = resolve_saves(cfg, layout)  # refuses a signal-time save that cannot fit, a quota too small
     slurm_conf = None
     if cfg.cluster.backend == "slurm" and not cfg.launcher.dry_run:
         slurm_conf = submit.resolve_slurm_conf(cfg)
@@ -46,7 +51,7 @@ def check(cfg: RunConfig, probe: Optional[submit.SlurmProbe] = None) -> Tuple[La
     warning = signal_warning(cfg)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
-    return layout, slurm_conf
+    return layout, slurm_conf, saves
 
 
 def check_user_layout(cfg: RunConfig, layout: Layout) -> None:

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple, Union
 from launcher import entrypoint, local, snapshot, submit
 from launcher.checks import already_done, check
 from launcher.compose import run_config
+from launcher.plan.checkpoints import SavePlan, describe as describe_saves, predicted_step_s
 from launcher.plan.gate import memory_line
 from launcher.provenance import CodeState, code_state, write_provenance
 from launcher.track import registry
@@ -105,6 +106,7 @@ class Point:
     entry: Optional[dict] = None  # a user's entry point (launcher.entrypoint); None: the built-in trainer
     code: Optional[snapshot.Plan] = None  # the code to freeze at submission (launcher.snapshot); None: none
     frozen: Optional[snapshot.Frozen] = None  # the copies the tasks import, once made (or kept by a resume)
+    saves: Optional[SavePlan] = None  # the checkpoint plan (launcher/plan/checkpoints.py); None: a user's entry point
 
     def note(self, event: str, **fields) -> None:
         note(self.run_dir, self.multirun, self.overrides, event, **fields)
@@ -154,12 +156,12 @@ def checked(session: Session, config, run_dir: Path, label: str, overrides: List
         cfg = config if isinstance(config, RunConfig) else run_config(config)
         apply_hf_model(cfg, overrides)
         entry = entrypoint.resolve(cfg, cache=session.entry_code)
-        layout, slurm_conf = check(cfg, session.probe)
+        layout, slurm_conf, saves = check(cfg, session.probe)
         code = snapshot.plan(cfg, run_dir, entry, session.code_trees)
     except ConfigError as exc:
         return refuse(session, str(exc), run_dir, label, overrides, record=not config.launcher.dry_run)
     session.accepted += 1
-    return Point(cfg, layout, run_dir, slurm_conf, label, overrides, session.multirun, entry, code)
+    return Point(cfg, layout, run_dir, slurm_conf, label, overrides, session.multirun, entry, code, saves=saves)
 
 
 def prepare(session: Session, p: Point, queued: Optional[Dict[str, str]] = None) -> Optional[int]:
@@ -202,7 +204,7 @@ def dry_run(p: Point) -> int:
     if p.entry is not None:
         print(task_view(p))
     else:
-        print(batch_lines(p.cfg, p.layout))
+        print(batch_lines(p.cfg, p.layout, p.saves))
         plan = memory_line(p.cfg, p.layout)
         if plan:
             print(plan)
@@ -238,9 +240,13 @@ def run_point(session: Session, dcfg, run_dir: Path, label: str, overrides: List
     return code
 
 
-def batch_lines(cfg: RunConfig, layout: Layout) -> str:
-    """The built-in trainer's global batch and schedule (spec/batch.py, spec/schedule.py)."""
-    return f"{batch_line(cfg, layout)}\n{schedule_line(cfg, schedule(cfg, layout))}"
+def batch_lines(cfg: RunConfig, layout: Layout, saves: Optional[SavePlan] = None) -> str:
+    """The built-in trainer's global batch and schedule (spec/batch.py, spec/schedule.py)
+    and, given its plan, when it saves (launcher/plan/checkpoints.py)."""
+    lines = [batch_line(cfg, layout), schedule_line(cfg, schedule(cfg, layout))]
+    if saves is not None:
+        lines += describe_saves(cfg, saves, predicted_step_s(cfg, layout))
+    return "\n".join(lines)
 
 
 def _common(cfg: RunConfig, layout: Layout, run_dir: Path) -> Dict[str, object]:
@@ -261,7 +267,7 @@ def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[in
     if cfg.cluster.backend != "slurm":
         update_run_json(run_dir, status=Status.STARTING, job_id="local", requeues_since_submit=0,
                         code_snapshot=snapshot.record(None, cfg), **_common(cfg, layout, run_dir))
-        print(f"local run: {layout.world_size} ranks on this machine\n{batch_lines(cfg, layout)}\nrun_dir: {run_dir}",
+        print(f"local run: {layout.world_size} ranks on this machine\n{batch_lines(cfg, layout, p.saves)}\nrun_dir: {run_dir}",
               flush=True)
         code = local.run_local(cfg, layout, run_dir)
         end = after_local_exit(status_of(read_run_json(run_dir)), code)
@@ -294,7 +300,7 @@ def submitted(session: Optional[Session], p: Point, job_id: str) -> None:
     print(f"submitted job {job_id} ({p.label}): {p.cfg.cluster.nodes} node(s) x {p.cfg.cluster.gpus_per_node} tasks")
     print(snapshot.describe(p.frozen, p.cfg, "froze"))
     if p.entry is None:
-        print(batch_lines(p.cfg, p.layout))
+        print(batch_lines(p.cfg, p.layout, p.saves))
     print(f"run_dir: {p.run_dir}", flush=True)
 
 

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = to_run_config(run_dir / CONFIG)
         exclude_failed_nodes(cfg, run_dir)
         new, notes = reshape(cfg, args.overrides) if args.overrides else (cfg, [])
-        layout, slurm_conf = check(new)
+        layout, slurm_conf, saves = check(new)
         entry, code, kept = snapshot.resume_code(run_dir, new, args.overrides)
     except ConfigError as exc:
         return _refused(exc)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in notes:
         print(line)
     point = Point(new, layout, run_dir, slurm_conf, label=f"resume {run_dir.name}", overrides=[], multirun=False,
-                  entry=entry, code=code, frozen=kept)
+                  entry=entry, code=code, frozen=kept, saves=saves)
     convert = conversion_stage(run_dir, new)
     if new.launcher.dry_run:  # the new shape's script and rank map; the run directory keeps its config
         if convert is not None:

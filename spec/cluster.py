@@ -93,6 +93,22 @@ class ClusterConfig:
     # Bandwidths in GB/s per GPU (planner cost model): NVLink inside a node, network across.
     intra_node_gbps: Optional[float] = None
     inter_node_gbps: Optional[float] = None
+    # The shared filesystem the checkpoints go to (launcher/plan/checkpoint.py; the shipped
+    # profiles' figures and their sources: docs/clusters.md). null = unknown: no interval is
+    # derived and no save is timed at launch. GB/s that one node writes (reads), all its
+    # ranks together; and that the whole filesystem gives all nodes together, which caps
+    # what many nodes get: N nodes write at min(N x fs_write_gbps, fs_total_write_gbps).
+    fs_write_gbps: Optional[float] = None
+    fs_read_gbps: Optional[float] = None
+    fs_total_write_gbps: Optional[float] = None
+    fs_total_read_gbps: Optional[float] = None
+    # GB the run's checkpoints may take (a quota, or the free space); null = not checked.
+    # checkpoint.keep x one checkpoint's size above it is refused at launch.
+    checkpoint_quota_gb: Optional[float] = None
+    # Failures that end a job (a crash, a dead node, a GPU or network fault) per node-hour;
+    # a job of N nodes fails every 1 / (N x this) hours on average (its MTBF), which sets
+    # the derived checkpoint interval. null = unknown: no interval is derived.
+    failures_per_node_hour: Optional[float] = None
     # Any other sbatch option, by its long name without dashes (exclusive, gres,
     # reservation, mail-type, mail-user, dependency, licenses, ...); true = a flag without
     # value. The options the toolkit sets itself are refused with the field to use.

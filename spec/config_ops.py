@@ -10,15 +10,29 @@ from typing import List, Optional
 
 @dataclass
 class CheckpointConfig:
-    # Save every N optimizer steps; 0 = only on preemption / time limit.
-    every_steps: int = 0
-    # Also save when this many minutes passed since the last save; 0 = off.
-    every_minutes: float = 0.0
+    # Save every N optimizer steps; 0 = not by steps. null (the default): 0, and with
+    # every_minutes null too a GPU run saves by time at the interval derived at launch
+    # (launcher/plan/checkpoint.py: Young/Daly from the predicted save time and the job's
+    # failure rate, docs/checkpoints.md); a CPU run, or a profile without filesystem
+    # figures, saves only on preemption / time limit.
+    every_steps: Optional[int] = None
+    # Also save when this many minutes passed since the last save; 0 = not by time. null:
+    # derived at launch as above (written into the run's config.yaml), else 0.
+    every_minutes: Optional[float] = None
     # Committed checkpoints kept (older ones are deleted after a new one commits).
     keep: int = 2
     # Periodic saves write in the background (torch engines; the loop stalls only to copy
-    # the state to memory). Saves on preemption are always synchronous.
-    async_save: bool = False
+    # the state to host memory, which the planner counts per node). Saves on preemption are
+    # always synchronous. null (the default): true on GPU clusters where the engine allows
+    # (torch), false elsewhere (spec/checkpointing.py saves_async).
+    async_save: Optional[bool] = None
+    # Seconds a save may take before it is a hang (the watchdog's bound while a rank saves or
+    # waits at the save's barriers, in place of cluster.hang_timeout_s). null: derived at
+    # launch (launcher/plan/checkpoints.py): 3 x the predicted blocking save + 60 s, at
+    # least cluster.hang_timeout_s; 2 x hang_timeout_s when the save cannot be predicted.
+    # The run's collective timeout is raised to cover it (train.dist_timeout_s). 0 = the
+    # hang timeout applies to saves too.
+    save_timeout_s: Optional[float] = None
     # Also save after the last step (what `python -m launcher.export` then exports).
     # null (the default): yes whenever periodic checkpoints are on (every_steps or
     # every_minutes > 0), so a finished run's last steps are in a checkpoint; true / false:
@@ -46,6 +60,10 @@ class FaultConfig:
     hang_rank: int = -1
     hang_at_step: int = 0
     hang_s: float = 3600.0
+    # Where hang_rank sleeps: "step" (before the step's collective) or "save" (in the
+    # blocking save of step hang_at_step, its files written, before the save's barrier: a
+    # writer that never returns, which the watchdog must name after checkpoint.save_timeout_s).
+    hang_in: str = "step"
     # Rank raise_rank (-1: every rank) raises RuntimeError at this step (after its
     # backward, before the step's collective), as a bug or an out-of-memory error would: a
     # failing run; 0 = off.
@@ -63,6 +81,14 @@ class FaultConfig:
     # again before its write, so the training thread runs ahead of it (tests: what is
     # saved must still be the state of the step saved).
     slow_async_save_s: float = 0.0
+    # Rank slow_save_rank (-1: every rank) sleeps this long in a blocking save, after
+    # writing its files and before the save's barrier: a save slower than
+    # cluster.hang_timeout_s, which must not be called a hang (checkpoint.save_timeout_s).
+    # Only the save of step slow_save_at_step (once per run, as the step faults), or with
+    # 0 every blocking save.
+    slow_save_s: float = 0.0
+    slow_save_rank: int = -1
+    slow_save_at_step: int = 0
     # Every rank appends the window ids of each step's data to
     # logs/samples_seg{S}_rank{R}.txt ("step id id ..."): tests count the samples a run
     # saw across segments (a step replayed after a crash: the later segment's counts).

@@ -16,6 +16,7 @@ from spec.model_size import head_dim
 from spec.schedule import check_length
 
 _CHOICES = {
+    "fault.hang_in": ("step", "save"),
     "cluster.backend": ("local", "slurm"),
     "cluster.accelerator": ("cpu", "gpu"),
     "cluster.gpu_binding": ("node", "task"),
@@ -43,8 +44,10 @@ _NON_NEGATIVE = (
     "cluster.signal_delay_s", "cluster.max_requeues", "cluster.in_job_restarts", "cluster.spare_nodes",
     "cluster.hang_timeout_s", "cluster.nvlink_domain",
     "cluster.mem_gb", "cluster.cpus_per_task", "checkpoint.every_steps", "checkpoint.every_minutes",
+    "checkpoint.save_timeout_s",
     "optim.lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "data.seed", "fault.step_delay_s", "fault.kill_in_save_at_step",
     "fault.hang_at_step", "fault.hang_s", "fault.raise_at_step", "fault.raise_every_steps", "fault.slow_async_save_s", "train.gc_every_steps",
+    "fault.slow_save_s", "fault.slow_save_at_step",
     "launcher.max_parallel", "train.straggler_min_s", "fault.oom_at_step", "profile.every",
     "train.epochs", "model.loss_chunk_tokens",
 )
@@ -55,7 +58,9 @@ _POSITIVE_REAL = ("optim.eps", "model.norm_eps", "model.rope_theta", "model.ffn_
 
 # null = unknown / derived; otherwise > 0.
 _OPTIONAL_POSITIVE = ("cluster.peak_tflops_bf16", "cluster.gpu_mem_gb", "cluster.intra_node_gbps",
-                      "cluster.inter_node_gbps", "cluster.cpus_per_node", "cluster.node_mem_gb", "model.n_kv_heads")
+                      "cluster.inter_node_gbps", "cluster.cpus_per_node", "cluster.node_mem_gb", "model.n_kv_heads",
+                      "cluster.fs_write_gbps", "cluster.fs_read_gbps", "cluster.fs_total_write_gbps",
+                      "cluster.fs_total_read_gbps", "cluster.checkpoint_quota_gb", "cluster.failures_per_node_hour")
 
 # field: (low, high, high included)
 _RANGES = {

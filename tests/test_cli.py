@@ -88,8 +88,8 @@ def test_same_command_same_run_dir(tmp_path):
 
 
 def test_planner_gate_can_be_overridden_and_sweeps_skip_what_does_not_fit(tmp_path):
-    forced = launcher(["+cluster=a100x8", "+model=llama3_70b", "launcher.allow_oom=true", "launcher.dry_run=true"],
-                      cwd=tmp_path)
+    forced = launcher(["+cluster=a100x8", "+model=llama3_70b", "launcher.allow_oom=true", "launcher.dry_run=true",
+                       "cluster.signal_delay_s=300"], cwd=tmp_path)  # 847 GB from one node: ~222 s to save
     assert forced.returncode == 0 and "dry run: nothing submitted" in forced.stdout, forced.stderr
     sweep = launcher(["+cluster=a100x8", "+model=llama3_8b", "+strategy=ddp,zero3", "launcher.dry_run=true", "-m"],
                      cwd=tmp_path)

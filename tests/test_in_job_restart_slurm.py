@@ -8,6 +8,8 @@ A user's script is restarted too, and resumes by itself.
 """
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,32 @@ def test_a_users_script_is_restarted_inside_the_job(tmp_path, slurm_cluster):
     [restart] = info["in_job_restarts"]
     assert (restart["job_id"], restart["reason"], restart["rank"]) == (job, "error", 0)
     assert "the first try fails" in restart["error"] and info["restart_count"] == 0
+
+
+def test_a_slow_save_is_not_a_hang_and_a_stuck_writer_is_named(tmp_path, slurm_cluster, reference):
+    """A save is progress, not a hang (issue 43): with cluster.hang_timeout_s=10 the save of
+    step 3 takes 15 s (fault.slow_save_s on every rank, after the files are written) and
+    is not called a hang, since a save is bounded by checkpoint.save_timeout_s (20 s here:
+    2 x the hang timeout, the filesystem being unknown); the save of step 6 never returns
+    on rank 1 (fault.hang_in=save), which the watchdog names after 20 s, in the save phase,
+    and the job restarts inside itself from step 3 and ends with the uninterrupted losses."""
+    job, run_dir = submit_run(ARGS + ["cluster.hang_timeout_s=10", "fault.slow_save_s=15", "fault.slow_save_at_step=3",
+                                      "fault.hang_in=save", "fault.hang_rank=1", "fault.hang_at_step=6"],
+                              tmp_path, slurm_cluster)
+    info = ended(job, run_dir, slurm_cluster)
+    assert info["status"] == "completed", info
+    assert (info["job_id"], info["restart_count"], info["segments"]) == (job, 0, 2), info
+    [restart] = info["in_job_restarts"]
+    assert (restart["reason"], restart["rank"], restart["node"]) == ("hang", 1, info["hostnames"][1]), restart
+    assert "a checkpoint's save did not end" in restart["error"], restart
+    hang = json.loads((run_dir / "hang.json").read_text())
+    assert hang["stuck_ranks"] == [1] and hang["in_save"] and hang["timeout_s"] == 20, hang
+    assert [(b["rank"], b["phase"], b["step"]) for b in hang["ranks"]] == [(0, "collective", 6), (1, "checkpoint", 6)]
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    slow = re.search(r"checkpoint step 3 committed in ([\d.]+) s", log)
+    assert slow and float(slow.group(1)) >= 15, log[-3000:]  # longer than the hang timeout, and no hang
+    assert "resumed from step 3 (segment 1)" in log
+    rows = read_metrics(run_dir)
+    assert [r["loss"] for r in rows] == [reference[r["step"]] for r in rows]
+    assert {r["step"] for r in rows} == set(reference) and {r["segment"] for r in rows} == {0, 1}
+    assert final_states(job, slurm_cluster) == ["COMPLETED"]

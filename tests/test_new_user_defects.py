@@ -31,7 +31,7 @@ def _left(root: Path) -> list:
 # --- the last step of a finished run is in a checkpoint -----------------------------------
 
 def test_save_final_follows_periodic_checkpoints_unless_given():
-    from train.loop import saves_last_step
+    from train.checkpoint.policy import saves_last_step
 
     assert CheckpointConfig().save_final is None  # null: decided by the periodic saves
     assert not saves_last_step(CheckpointConfig())

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from spec.batch import peak_lr
-from spec.config import CheckpointConfig, RunConfig
+from spec.config import RunConfig
 from spec.config_model import AUTO_VOCAB
 from spec.model_size import flops_per_token
 from spec.rundir import (STEPTIMES, STRAGGLERS, MetricsRow, Status, perplexity, read_run_json, shape_line,
@@ -32,10 +32,6 @@ from train.profiling import StepProfiler
 from train.steptimes import FIELDS, StepClock, Stragglers, breakdown, peers
 from train.strategies.base import Engine
 from train.tracking import Tracking
-
-# A checkpoint on demand: `touch RUN_DIR/SAVE_NOW`; the next step boundary saves it.
-SAVE_REQUEST = "SAVE_NOW"
-
 
 def lr_at(step: int, cfg: RunConfig, peak: float | None = None) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio x the peak at the last step. The
@@ -71,7 +67,7 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
     except torch.OutOfMemoryError as exc:
         profiler.oom(exc, "while building the model or loading its checkpoint")
         raise
-    if cfg.checkpoint.async_save:
+    if ckpt.policy.background:
         ckpt.prepare_async()
     if restored is not None:
         loader.load_state_dict(restored["loader"])
@@ -201,23 +197,6 @@ def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm:
     return agreed
 
 
-def _save_due(task: Task, last_save: float) -> bool:
-    """Rank 0's "time to save": checkpoint.every_minutes elapsed, or RUN_DIR/SAVE_NOW exists."""
-    every = task.cfg.checkpoint.every_minutes
-    if not task.ctx.is_main:
-        return False
-    return (every > 0 and time.monotonic() - last_save >= every * 60) or (task.run_dir / SAVE_REQUEST).exists()
-
-
-def saves_last_step(c: CheckpointConfig) -> bool:
-    """Whether the step that ends the run is saved: ``checkpoint.save_final``, or, when it
-    is null, whenever periodic checkpoints are on (else ``launcher.export`` of a finished
-    run would export the last periodic save and silently drop the steps after it)."""
-    if c.save_final is not None:
-        return c.save_final
-    return c.every_steps > 0 or c.every_minutes > 0
-
-
 class Meter:
     """A step's metrics row from its timing and the agreed values."""
 
@@ -249,7 +228,7 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
     meter = Meter(cfg, ctx.world_size, ctx.device.type, loader.global_batch)
     evaluator = Evaluator(cfg, task.layout, ctx)
     peak = peak_lr(cfg, task.layout)
-    last_save = time.monotonic()
+    ckpt.policy.last_save = time.monotonic()  # the interval counts from the segment's start
     task.watchdog.begin(loader.state.step)
     first = loader.state.step
     clock = StepClock(ctx.device)
@@ -271,28 +250,24 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         clock.computed()
         if step + 1 < cfg.train.steps:
             loader.prefetch()  # while the device runs the step (train/data/loader.py)
-        agreed = _agree(task, engine, step, loss, grad_norm, _save_due(task, last_save), clock, profiler.asked())
+        agreed = _agree(task, engine, step, loss, grad_norm, ckpt.policy.asked(), clock, profiler.asked())
         dt = time.perf_counter() - t0
         val = evaluator.run(engine) if evaluator.due(step + 1) else None
         if ctx.is_main:
             _report(task, meter, tracking, step, lr, agreed, dt, val, loader.state.samples / loader.num_windows)
         if stragglers.update(agreed.times, step + 1):
             _stragglers(task, stragglers, step, ckpt, engine, loader)
-        every = cfg.checkpoint.every_steps
-        last = step + 1 == cfg.train.steps
-        if (agreed.preempted or agreed.save_due or (every and (step + 1) % every == 0 and not last)
-                or (last and saves_last_step(cfg.checkpoint))):
+        if ckpt.policy.due(step + 1, cfg.train.steps, agreed.save_due, agreed.preempted):
             if agreed.preempted and ctx.is_main:  # when the signal came (bench/goodput.py); this line: save start
                 received = task.flag.received_at
                 log(f"signal agreed at step {step + 1}: received by rank 0 at "
                     f"{'unknown' if received is None else f'{received:.3f}'}; saving")
             _save(task, ckpt, engine, loader, step, agreed.preempted)
-            last_save = time.monotonic()
             if agreed.preempted:
                 ckpt.close()  # old checkpoints pruned before the job is requeued
                 return Status.INTERRUPTED
         ckpt.poll()
-        if cfg.checkpoint.async_save and step == first and ckpt.reserve_async(engine):
+        if ckpt.policy.background and step == first and ckpt.reserve_async(engine):
             log("host buffers for async saves: being allocated in the background")
         profiler.after(step + 1, agreed.profile_due)
         task.faults.after_step()
@@ -342,13 +317,11 @@ def _stragglers(task: Task, stragglers: Stragglers, step: int, ckpt: Checkpointe
 
 
 def _save(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader, step: int, preempted: bool) -> None:
-    """The checkpoint of the step that just ran: blocking on a signal, else as configured."""
-    cfg = task.cfg
-    task.watchdog.phase("checkpoint", step + 1)
-    background = cfg.checkpoint.async_save and not preempted
+    """The checkpoint of the step that just ran: blocking on a signal, else as configured.
+    The checkpointer tells the watchdog (a save has its own bound) and the policy (the
+    interval starts again, SAVE_NOW is answered)."""
+    background = ckpt.policy.background and not preempted
     task.flush_metrics()  # the rows of the steps it holds are written before it commits
     ckpt.save(engine, step + 1, {"loader": loader.state_dict()}, blocking=not background)
     task.watchdog.progress(step + 1)
-    if task.ctx.is_main:
-        (task.run_dir / SAVE_REQUEST).unlink(missing_ok=True)
     task.log(f"checkpoint step {step + 1} {'started' if background else 'committed'} in {ckpt.last_save_s:.2f} s")

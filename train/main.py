@@ -20,11 +20,13 @@ def trainer(task: Task) -> Status:
     """Train up to ``train.steps``, resuming from the newest committed checkpoint."""
     from spec.rundir import run_shape
     from train.checkpoint import Checkpointer
+    from train.checkpoint.policy import SavePolicy
     from train.loop import train
 
     cfg = task.cfg
     ckpt = Checkpointer(task.run_dir / "checkpoints", task.ctx.rank, keep=cfg.checkpoint.keep,
-                        shape=run_shape(cfg, task.layout), faults=task.faults)
+                        shape=run_shape(cfg, task.layout), faults=task.faults, watchdog=task.watchdog,
+                        policy=SavePolicy.of(cfg, task.run_dir if task.ctx.is_main else None))
     return train(task, ckpt)
 
 

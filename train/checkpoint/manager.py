@@ -40,9 +40,10 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -52,8 +53,10 @@ from train.checkpoint.deepspeed_io import universal_dir
 from train.checkpoint.manifest import (
     SUMS, Sums, checksums, committed_steps, publish, saved_shape, share, step_name, unsummed, verify, written_sums,
 )
+from train.checkpoint.policy import SavePolicy
 from train.checkpoint.state import load_extra, write_extra
 from train.harness.faults import Faults
+from train.harness.watchdog import COLLECTIVE, Watchdog
 
 
 @dataclass
@@ -78,6 +81,10 @@ class Checkpointer:
     keep: int = 3
     shape: Dict[str, Any] = field(default_factory=dict)  # this run's (spec.rundir.run_shape), in each manifest
     faults: Faults = field(default_factory=Faults)
+    # The rank's hang watchdog (train.harness.watchdog.Watchdog): a save or restore runs
+    # under its own bound (checkpoint.save_timeout_s), the save's barriers as collectives.
+    watchdog: Optional[Watchdog] = None
+    policy: SavePolicy = field(default_factory=SavePolicy)  # when to save (the loop asks it)
 
     def __post_init__(self) -> None:
         self._pending: Optional[Tuple[Future, Path, Path, int]] = None  # future, tmp, final, step
@@ -100,7 +107,37 @@ class Checkpointer:
     def staging_wait_s(self, value: float) -> None:
         self._async.staging_wait_s = value
 
+    @contextmanager
+    def _io(self, step: Optional[int], name: str = "checkpoint") -> Iterator[None]:
+        """A checkpoint's I/O for the watchdog: its own bound, then progress (``step``
+        None: the watchdog's own)."""
+        if self.watchdog is None:
+            yield
+            return
+        self.watchdog.saving(self.watchdog.step if step is None else step, name)
+        try:
+            yield
+        finally:
+            self.watchdog.saved()
+
+    def _barrier(self, step: Optional[int]) -> None:
+        """The save's barrier: a collective for the watchdog (the rank that never gets
+        here is the one named), then back to the save."""
+        w = self.watchdog
+        if w is not None:
+            step = w.step if step is None else step
+            w.phase(COLLECTIVE, step)
+        dist.barrier()
+        if w is not None:
+            w.phase("checkpoint", step)
+
     def save(self, engine, step: int, extra: Dict[str, Any], blocking: bool = True) -> Path:
+        with self._io(step):
+            final = self._save(engine, step, extra, blocking)
+        self.policy.saved()
+        return final
+
+    def _save(self, engine, step: int, extra: Dict[str, Any], blocking: bool) -> Path:
         self.wait()
         t0 = time.perf_counter()
         final, tmp = self.root / step_name(step), self.root / f".tmp-{step_name(step)}"
@@ -112,7 +149,7 @@ class Checkpointer:
                 self.root.mkdir(parents=True, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
-            dist.barrier()
+            self._barrier(step)
         # In the background the writer fsyncs it: an fsync here may wait for the journal.
         sums = write_extra(tmp, self.rank, step, extra, fsync=not background)
         side = tmp / f"{SUMS}{self.rank}.json"
@@ -121,7 +158,8 @@ class Checkpointer:
             self._pending, self._unwaited = (future, tmp, final, step), True
         else:
             self.backend.save(engine, tmp, side, sums)  # every rank's files under tmp, its CRCs in side
-            dist.barrier()
+            self.faults.in_save(step)  # fault.slow_save_s, fault.hang_in=save: a slow or stuck writer
+            self._barrier(step)
             self.faults.save_written(step)
             self._commit_now(tmp, final, step)
         self.last_save_s = time.perf_counter() - t0  # async: the stall, with staging_wait_s
@@ -141,7 +179,7 @@ class Checkpointer:
             for part in parts:
                 written.update(part)
             publish(tmp, final, step, written, shape=self.shape)
-        dist.barrier()
+        self._barrier(step)
 
     def prepare_async(self) -> None:
         """The gloo group and the thread of async saves, where the backend saves async
@@ -183,11 +221,13 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until a pending async save is written and committed (collective)."""
         if self._unwaited:
-            self._async.wait_staged()
-            if self._pending is not None:
-                self._pending[0].result()
-                self.poll()
-            dist.barrier()
+            step = self._pending[3] if self._pending is not None else None
+            with self._io(step):  # the async write may still be going: the save's bound
+                self._async.wait_staged()
+                if self._pending is not None:
+                    self._pending[0].result()
+                    self.poll()
+                self._barrier(step)
             self._unwaited = False
         if self._committer is not None:
             self._committer.join()
@@ -216,6 +256,10 @@ class Checkpointer:
         candidate is tried. That load may have put part of the rejected checkpoint into
         the engine's tensors; the next one overwrites all of them, and if none is left
         ``engine_dirty`` tells the caller to build the engine again."""
+        with self._io(None, "restore"):
+            return self._load_latest(engine, report)
+
+    def _load_latest(self, engine, report: Callable[[str], None]) -> Optional[Dict[str, Any]]:
         world = dist.get_world_size()
         self.engine_dirty = False
         if self.rank == 0:  # saves killed before their commit: never loaded, removed now

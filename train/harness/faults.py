@@ -3,7 +3,7 @@
 A :class:`Faults` is made for each task from the config, the rank and the run's segment,
 and every place a fault can be injected asks it: the harness's preflight
 (:meth:`Faults.preflight_delay`), the trainer's steps (:meth:`Faults.at_step_end`,
-:meth:`Faults.after_step`) and its checkpoints (:meth:`Faults.save_written`,
+:meth:`Faults.after_step`) and its checkpoints (:meth:`Faults.in_save`, :meth:`Faults.save_written`,
 :meth:`Faults.checkpoint_thread`: :class:`train.checkpoint.Checkpointer` is handed the
 task's). No other test hook is in production signatures; ``Faults()`` injects nothing.
 
@@ -100,7 +100,8 @@ class Faults:
                 self.in_this_segment(fault.hardware_fault_restart):
             raise RuntimeError(f"CUDA error: uncorrectable ECC error encountered (fault.hardware_fault_at_step="
                                f"{step + 1}: injected)")
-        if self.rank == fault.hang_rank and step + 1 == fault.hang_at_step and self.once("hang_at_step", step + 1):
+        if fault.hang_in == "step" and self.rank == fault.hang_rank and step + 1 == fault.hang_at_step and \
+                self.once("hang_at_step", step + 1):
             watchdog.phase("fault: sleeping before the collective", step)
             time.sleep(fault.hang_s)
 
@@ -109,6 +110,19 @@ class Faults:
         (on ``fault.step_delay_rank`` alone: a straggler)."""
         if self.cfg.step_delay_s and self.cfg.step_delay_rank in (-1, self.rank):
             time.sleep(self.cfg.step_delay_s)
+
+    def in_save(self, step: int) -> None:
+        """A blocking save of checkpoint ``step``: this rank's files are written, the save's
+        barrier is next. ``fault.slow_save_s`` sleeps here (a save slower than the hang
+        timeout: not a hang); ``fault.hang_in=save`` with ``hang_rank`` / ``hang_at_step``
+        sleeps ``hang_s`` (a writer that never returns: the watchdog names it)."""
+        f = self.cfg
+        if f.slow_save_s and f.slow_save_rank in (-1, self.rank) and \
+                (not f.slow_save_at_step or (step == f.slow_save_at_step and self.once("slow_save_at_step", step))):
+            time.sleep(f.slow_save_s)
+        if f.hang_in == "save" and self.rank == f.hang_rank and step == f.hang_at_step and \
+                self.once("hang_at_step", step):
+            time.sleep(f.hang_s)
 
     def save_written(self, step: int) -> None:
         """A blocking save of checkpoint ``step`` has every rank's files written and nothing

@@ -214,8 +214,10 @@ def hardware_fields(text: str, run_dir: Path, fields: Dict[str, Any]) -> Dict[st
 
 def record_hang(run_dir: Path, report: Dict[str, Any]) -> None:
     """The watchdog's ``on_hang``: the run failed of a hang (hang.json has the details)."""
+    what = ("a checkpoint's save did not end (checkpoint.save_timeout_s)" if report.get("in_save")
+            else "no step completed")
     update_run_json(run_dir, status=Status.FAILED, failure="hang", ended_at=time.time(),
-                    error=f"hang: no step completed in {report['timeout_s']} s; stuck ranks "
+                    error=f"hang: {what} in {report['timeout_s']} s; stuck ranks "
                           f"{report['stuck_ranks']} on {', '.join(report['stuck_hosts'])} (hang.json)")
 
 

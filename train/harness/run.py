@@ -28,6 +28,7 @@ from slurm.states import final
 from spec.cluster import heartbeat_interval
 from spec.config import RunConfig, to_run_config
 from spec.device import DeviceError
+from spec.checkpointing import collective_timeout_s, save_timeout_s
 from spec.validate import WATCHDOG_GRACE_S, validate
 from spec.layout import Layout, build_layout
 from spec.rundir import (CONFIG, SEGMENT_FAILURE, MetricsRow, Status, append_metrics, read_run_json, status_of,
@@ -198,7 +199,7 @@ def _join(run_dir: Path):
     if take_rendezvous_port(cfg.fault, te.rank, te.in_job_restart, te.master_port):
         rank_logger(run_dir, te.rank).info(f"fault.port_taken_in_srun: port {te.master_port} taken before the rendezvous")
     try:  # the device first: a GPU profile without its GPU stops here, before any collective
-        ctx = init_distributed(cfg.train.dist_timeout_s, trace_dir=run_dir / "logs",
+        ctx = init_distributed(collective_timeout_s(cfg), trace_dir=run_dir / "logs",
                                accelerator=cfg.cluster.accelerator, gpu_binding=cfg.cluster.gpu_binding)
     except DeviceError as exc:
         refuse_start(exc, run_dir, te.rank, te.world_size, rank_logger(run_dir, te.rank))
@@ -256,6 +257,7 @@ def _watchdog(cfg: RunConfig, ctx, run_dir: Path, segment: int, log: Callable[[s
     # long, but never past the collective timeout, which would abort without a report.
     hang = cfg.cluster.hang_timeout_s
     startup = min(3 * hang, cfg.train.dist_timeout_s - WATCHDOG_GRACE_S)
+    saves = save_timeout_s(cfg)  # checkpoint I/O: its own bound (the collective timeout covers it)
 
     def on_hang(report: Dict[str, Any]) -> None:
         record_hang(run_dir, report)
@@ -265,5 +267,5 @@ def _watchdog(cfg: RunConfig, ctx, run_dir: Path, segment: int, log: Callable[[s
 
     watchdog = Watchdog(run_dir, ctx.rank, ctx.node_rank, ctx.hostname, ctx.world_size, hang,
                         interval_s=heartbeat_interval(hang), on_hang=on_hang, startup_timeout_s=startup,
-                        segment=segment)
+                        segment=segment, save_timeout_s=saves)
     return watchdog.start()

@@ -21,6 +21,14 @@ extension build):
 The watchdog must fire before the collective timeout (``train.dist_timeout_s``), which
 would otherwise abort with a less useful error.
 
+A save is progress, not a hang. While a checkpoint is written or read (:meth:`Watchdog.saving`
+... :meth:`Watchdog.saved`, nested calls allowed: the trainer's save, the checkpointer's
+wait for an async write, a restore) the limit is ``checkpoint.save_timeout_s`` counted from
+the save's start, in place of the hang timeout (the launch derives it from the predicted
+save time: launcher/plan/checkpoints.py), and the end of a save counts as progress. The
+ranks waiting at the save's barriers are in a collective phase, so a writer that never
+returns is named the stuck rank, its phase ``checkpoint``.
+
 Stacks on demand, without a hang: ``touch RUN_DIR/STACK_NOW`` (or ``python -m
 launcher.stacks RUN_DIR``). The same thread looks at the file's time every
 :data:`STACK_POLL_S` (one ``stat`` per rank); for each new touch (after the segment
@@ -147,12 +155,15 @@ class Watchdog:
 
     def __init__(self, run_dir: Path, rank: int, node: int, host: str, world_size: int, timeout_s: float,
                  interval_s: float = 1.0, on_hang=None, startup_timeout_s: Optional[float] = None,
-                 segment: int = 0) -> None:
+                 segment: int = 0, save_timeout_s: float = 0.0) -> None:
         self.run_dir, self.rank, self.node, self.host = run_dir, rank, node, host
         self.segment = segment  # which start of the run: one hang.json writer per segment
         self.world_size, self.timeout_s, self.interval_s = world_size, timeout_s, interval_s
         self.startup_timeout_s = max(timeout_s, startup_timeout_s or 0)
         self.warm = False  # a step of this segment has completed: the plain timeout applies
+        self.save_timeout_s = save_timeout_s  # the bound while saving; 0: the plain one applies
+        self.save_since: Optional[float] = None  # when the outermost save began (None: not saving)
+        self._save_depth = 0
         self.on_hang = on_hang
         self.step, self.phase_name = 0, "startup"
         self.last_progress = time.time()
@@ -172,8 +183,32 @@ class Watchdog:
         self.step, self.phase_name, self.last_progress = step, "compute", time.time()
         self.warm = True
 
+    def saving(self, step: int, name: str = "checkpoint") -> None:
+        """A checkpoint's I/O begins (nested calls count): its own bound applies until
+        the matching :meth:`saved`."""
+        self.phase_name, self.step = name, step
+        if self._save_depth == 0:
+            self.save_since = time.time()
+        self._save_depth += 1
+
+    def saved(self) -> None:
+        """The checkpoint's I/O ended: progress (the hang clock starts again)."""
+        self._save_depth = max(0, self._save_depth - 1)
+        if self._save_depth == 0:
+            self.save_since = None
+            self.phase_name, self.last_progress = "compute", time.time()
+
     def limit_s(self) -> float:
-        return self.timeout_s if self.warm else self.startup_timeout_s
+        """The hang timeout, the startup one before the segment's first step; while
+        saving, the save's bound if that is longer."""
+        plain = self.timeout_s if self.warm else self.startup_timeout_s
+        return max(plain, self.save_timeout_s) if self.save_since is not None else plain
+
+    def overdue(self, now: float) -> bool:
+        """No progress within :meth:`limit_s`: from the save's start while saving, else
+        from the last progress."""
+        since = self.last_progress if self.save_since is None else max(self.save_since, self.last_progress)
+        return now - since > self.limit_s()
 
     def start(self) -> "Watchdog":
         # Heartbeats (failure classification reads them), if enabled hang checks, and STACK_NOW.
@@ -205,7 +240,7 @@ class Watchdog:
                 continue
             next_beat = time.monotonic() + self.interval_s
             self._beat()
-            if self.timeout_s > 0 and time.time() - self.last_progress > self.limit_s():
+            if self.timeout_s > 0 and self.overdue(time.time()):
                 self._hang()
 
     def answer_stack_request(self) -> bool:
@@ -237,6 +272,7 @@ class Watchdog:
         beats = read_beats(self.run_dir, self.world_size)
         stuck = stuck_ranks(beats)
         report = {"detected_by": self.rank, "time": time.time(), "timeout_s": self.limit_s(), "stuck_ranks": stuck,
+                  "in_save": self.save_since is not None,
                   "stuck_hosts": sorted({b.get("host", "?") for b in beats if b["rank"] in stuck}),
                   "nccl_trace": trace, "ranks": beats}  # each rank's own trace: ranks[R]["nccl_trace"]
         try:  # the first rank of this segment to get here writes the report, over an earlier hang's

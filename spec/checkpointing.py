@@ -1,0 +1,41 @@
+"""What both sides decide the same way about a run's checkpoints (pure, no torch).
+
+The launcher resolves ``checkpoint.*`` nulls at launch (launcher/plan/checkpoint.py) and
+writes the result into the run's config; the task side reads the same answers here, so a
+run started without the launcher (torchrun, a test) behaves as the launch would have made it.
+"""
+from __future__ import annotations
+
+from spec.config import RunConfig
+
+
+def saves_async(cfg: RunConfig) -> bool:
+    """Whether periodic saves write in the background: ``checkpoint.async_save``, or with
+    null, on GPU clusters where the engine allows it (torch's DCP; DeepSpeed writes its own
+    files, blocking)."""
+    c = cfg.checkpoint.async_save
+    if c is not None:
+        return bool(c)
+    return cfg.cluster.accelerator == "gpu" and cfg.strategy.engine == "torch"
+
+
+#: Seconds the collective timeout stays above the save's bound: the watchdog names a
+#: writer that never returns (stacks, hang.json) before gloo / NCCL abort the job.
+SAVE_TIMEOUT_MARGIN_S = 30
+
+
+def save_timeout_s(cfg: RunConfig) -> float:
+    """The hang bound while a checkpoint is written or read (the watchdog's, in place of
+    cluster.hang_timeout_s): ``checkpoint.save_timeout_s``, or with null (a run the
+    launcher did not resolve) twice the hang timeout; 0: the hang timeout applies."""
+    bound = cfg.checkpoint.save_timeout_s
+    if bound is None:
+        return float(2 * max(0, cfg.cluster.hang_timeout_s))
+    return float(bound)
+
+
+def collective_timeout_s(cfg: RunConfig) -> int:
+    """The process group's timeout: ``train.dist_timeout_s``, raised to cover the save's
+    bound (a save's barriers wait for its slowest writer) with a margin for the watchdog."""
+    bound = save_timeout_s(cfg)
+    return int(max(cfg.train.dist_timeout_s, bound + SAVE_TIMEOUT_MARGIN_S if bound else 0))
