@@ -16,7 +16,9 @@ memory (:data:`SNAPSHOT_GBPS`); its write goes on in the background.
 Interval (Young 1974, Daly 2006): a job of N nodes fails every M = 1 / (N x
 ``cluster.failures_per_node_hour``) hours on average; saving every
 tau = sqrt(2 x delta x M), delta the loop's cost of one save, minimises the time lost to
-saves (delta / tau) plus the work redone after a failure (tau / 2 on average).
+saves (delta / tau) plus the work redone after a failure (tau / 2 on average). The
+derived interval is never under :data:`MIN_INTERVAL_S`, nor, async, under
+:data:`WRITE_SHARE` writes.
 """
 from __future__ import annotations
 
@@ -38,7 +40,12 @@ COMMIT_S = 10.0       # barriers, the manifest, fsyncs and renames of one save (
 # eight GPUs of a node share its memory bandwidth). An assumption, not measured here.
 SNAPSHOT_GBPS = 10.0
 SIGNAL_MARGIN_S = 15.0  # after the save: exit, requeue, Slurm's clean-up (assumption)
-MIN_INTERVAL_S = 60.0   # never derive saves closer than this
+# A derived interval is at least MIN_INTERVAL_S, and with async saves at least WRITE_SHARE
+# times the write: an async save costs the loop little, so Young/Daly alone would save
+# every minute or two at scale, keeping the shared filesystem (and its metadata servers)
+# busy with one job's checkpoints; this keeps the job's writes to a quarter of its time.
+MIN_INTERVAL_S = 300.0
+WRITE_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,8 @@ class SavePlan:
     restore_s: Optional[float]    # reading it back (the restart after a failure)
     stall_s: Optional[float]      # the loop's cost of one periodic save
     mtbf_h: Optional[float]       # the job's mean time between failures
-    interval_s: Optional[float]   # Young/Daly's, when derivable
+    interval_s: Optional[float]   # the derived interval, when derivable
+    young_daly_s: Optional[float]  # sqrt(2 x stall x MTBF), before the floors
     asynchronous: bool
     derived: bool = False         # the launch set checkpoint.every_minutes to interval_s
 
@@ -91,12 +99,11 @@ def plan_saves(cfg: RunConfig, layout: Layout) -> SavePlan:
     asynchronous = saves_async(cfg)
     stall_s = (rank / (SNAPSHOT_GBPS * GB) if asynchronous else save_s) if save_s is not None else None
     mtbf_h = 1.0 / (c.failures_per_node_hour * c.nodes) if c.failures_per_node_hour else None
-    interval = None
+    interval = young_daly = None
     if stall_s is not None and mtbf_h is not None:
-        interval = math.sqrt(2 * stall_s * mtbf_h * 3600)
-        # an async save's write must end before the next one starts (the next waits for it)
-        interval = max(interval, MIN_INTERVAL_S, save_s if asynchronous else 0.0)
-    return SavePlan(total, node, rank, save_s, restore_s, stall_s, mtbf_h, interval, asynchronous)
+        young_daly = math.sqrt(2 * stall_s * mtbf_h * 3600)
+        interval = max(young_daly, MIN_INTERVAL_S, WRITE_SHARE * save_s if asynchronous else 0.0)
+    return SavePlan(total, node, rank, save_s, restore_s, stall_s, mtbf_h, interval, young_daly, asynchronous)
 
 
 def derives_interval(cfg: RunConfig) -> bool:
@@ -207,9 +214,7 @@ def describe(cfg: RunConfig, plan: SavePlan, step_s: Optional[float] = None) -> 
         every = (f"every {k.every_minutes:g} min" if k.every_minutes else "") + \
                 (" and " if k.every_minutes and k.every_steps else "") + \
                 (f"every {k.every_steps} steps" if k.every_steps else "")
-        source = "" if not plan.derived else \
-            (f" (derived: Young/Daly sqrt(2 x {plan.stall_s:.1f} s per save x {plan.mtbf_h:.1f} h between failures "
-             f"of {c.nodes} node(s) at cluster.failures_per_node_hour={c.failures_per_node_hour:g}))")
+        source = "" if not plan.derived else _derivation(cfg, plan)
         lines.append(f"checkpoints: {every}, {how}{source}")
         lost = _lost_s(k, step_s)
         if lost is not None:
@@ -222,11 +227,22 @@ def describe(cfg: RunConfig, plan: SavePlan, step_s: Optional[float] = None) -> 
                      "segment; set checkpoint.every_minutes, or the profile's fs_* and failures_per_node_hour "
                      "to derive it)")
     if plan.save_s is not None:
-        window = f"; signal_delay_s={c.signal_delay_s} leaves it {c.signal_delay_s - plan.save_s:.0f} s" \
+        window = f" (the one on Slurm's signal: within cluster.signal_delay_s={c.signal_delay_s})" \
             if c.backend == "slurm" else ""
         lines.append(f"checkpoints: {_size(cfg, plan)}, a blocking save predicted {plan.save_s:.0f} s{window}; "
                      f"a save is a hang after checkpoint.save_timeout_s={k.save_timeout_s:g}")
     return lines
+
+
+def _derivation(cfg: RunConfig, plan: SavePlan) -> str:
+    c = cfg.cluster
+    text = (f" (derived: Young/Daly sqrt(2 x {plan.stall_s:.1f} s a save x {plan.mtbf_h:.1f} h between failures of "
+            f"{c.nodes} node(s) at cluster.failures_per_node_hour={c.failures_per_node_hour:g}) = "
+            f"{_dur(plan.young_daly_s)}")
+    if plan.interval_s > plan.young_daly_s:
+        floor = "the 5 min floor" if plan.interval_s == MIN_INTERVAL_S else f"{WRITE_SHARE} x the {plan.save_s:.0f} s write"
+        text += f", raised to {floor}"
+    return text + ")"
 
 
 def predicted_step_s(cfg: RunConfig, layout: Layout) -> Optional[float]:
