@@ -41,11 +41,21 @@ metrics step of segment 0) minus the step resumed from (goal 0): completed work 
 trained again. ``--reference`` also runs the same config uninterrupted and compares the
 per-step losses (bitwise equal expected: fp32 DDP on CPU).
 
-    .venv/bin/python bench/checkpoint.py [--dim 768 --layers 8 --repeats 3 --strategy ddp|fsdp]
+    .venv/bin/python bench/checkpoint.py [--dim 768 --layers 8 --repeats 3 --strategy ddp|fsdp|zero2]
         [--preemption | --skip-preemption] [--steps 60 --step-delay 0.2 --signal-after 15 --reference]
 
 Both parts run by default; --preemption runs only the cluster part, --skip-preemption only
 the checkpoint cost.
+
+``--strategy zero2`` (DeepSpeed ZeRO-2, 2 ranks; no async save, its restore is DeepSpeed's):
+the blocking save's time, the slowest rank's, of DeepSpeed's files summed by the ranks
+as they write them (:mod:`train.checkpoint.deepspeed_io`) against the earlier way, in the
+same run on the same engine: DeepSpeed's own ``torch.save`` (none summed), then the commit
+reading every file back, shared out among the ranks, to sum and fsync it. Saves alternate
+between the two (the order swapped each repeat), each in warm pages (as above), once with
+the files left in the page cache before the commit and once evicted first (fsynced, then
+dropped: the read-back then reads the disk, as a rank reads another node's files on a
+shared filesystem; the summed save reads nothing).
 """
 from __future__ import annotations
 
@@ -139,6 +149,8 @@ def build_engine(cfg_dim: int, layers: int, strategy: str, world: int):
     if strategy == "fsdp":  # as conf/strategy/fsdp.yaml
         cfg.strategy.name, cfg.strategy.data_parallel, cfg.strategy.dp_shard, cfg.strategy.dp_replicate = \
             "fsdp", "fsdp", -1, 1
+    if strategy == "zero2":  # as conf/strategy/zero2.yaml
+        cfg.strategy.name, cfg.strategy.engine, cfg.strategy.zero_stage = "zero2", "deepspeed", 2
     ctx = init_distributed(600)
     engine = parallelize(build_model(cfg.model, "meta"), cfg, build_layout(cfg), ctx)
     tokens = torch.randint(0, 32000, (1, 33))
@@ -251,6 +263,107 @@ def worker(rank: int, world: int, port: int, work: str, dim: int, layers: int, r
                            for i, key in enumerate(("sync", "sync_cold", "restore"))],
                    params=sum(p.numel() for p in engine.module.parameters()))
     shutdown()
+
+
+class ReadBackEngine:
+    """A DeepSpeed engine as the checkpointer met it before its files were summed as written:
+    DeepSpeed's own ``torch.save`` (and its ``latest`` file), nothing summed (``save_native``
+    answers None), so the commit reads every file back to sum and fsync it."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def save_native(self, path: Path) -> None:
+        self.engine.ds.save_checkpoint(str(path), tag="state")
+
+
+def evict_before_commit(root: Path):
+    """The checkpointer's fault seam with, once every rank's files are written (before the
+    commit), the temporary directory's files fsynced and dropped from the page cache by
+    rank 0, then a barrier: what the commit reads, it reads from the disk."""
+    import torch.distributed as dist
+
+    from train.harness.faults import Faults
+
+    class Evicting(Faults):
+        def save_written(self, step: int) -> None:
+            if dist.get_rank() == 0:
+                for tmp in root.glob(".tmp-step_*"):
+                    for p in (q for q in tmp.rglob("*") if q.is_file()):
+                        fd = os.open(p, os.O_RDONLY)
+                        try:
+                            os.fsync(fd)
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                        finally:
+                            os.close(fd)
+            dist.barrier()
+    return Evicting()
+
+
+def deepspeed_worker(rank: int, world: int, port: int, work: str, dim: int, layers: int, repeats: int,
+                     out: dict) -> None:
+    """ZeRO-2: blocking saves summed as written against read back, alternating (module doc)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from train.checkpoint import Checkpointer
+    from train.harness.dist import shutdown
+    from train.harness.faults import Faults
+
+    engine, batch = build_engine(dim, layers, "zero2", world)
+    timed_steps(engine, batch, 1)  # creates the AdamW state
+    root = Path(work) / "ckpt"
+    shape = {"engine": "deepspeed", "zero_stage": 2, "dp": world, "world_size": world}
+    ckpt = Checkpointer(root, rank, keep=1, shape=shape)
+    ways = {"summed as written": engine, "read back": ReadBackEngine(engine)}
+    pages = {"in the page cache": Faults(), "evicted before the commit": evict_before_commit(root)}
+    res = {(way, page): [] for way in ways for page in pages}
+    nbytes, step = 0, 10
+    for i in range(repeats):
+        for page, faults in pages.items():
+            for way in (list(ways) if i % 2 == 0 else list(ways)[::-1]):
+                dist.barrier()
+                if rank == 0:  # one more checkpoint's worth: the old one stays until the new commits
+                    warm_pages(Path(work), 2 * nbytes or 2 << 30)
+                dist.barrier()
+                step += 1
+                ckpt.faults = faults
+                ckpt.save(ways[way], step, {"loader": {"step": 0}})
+                ranks = [None] * world
+                dist.all_gather_object(ranks, ckpt.last_save_s)
+                res[(way, page)].append(max(ranks))  # the loop waits for the slowest rank
+                ckpt.wait()  # pruning the previous one (in the background) is not part of the save
+                if rank == 0:
+                    nbytes = dir_bytes(root / (root / "latest").read_text().strip())
+    ckpt.close()
+    if rank == 0:
+        out.update(times={f"{way}|{page}": values for (way, page), values in res.items()}, nbytes=nbytes,
+                   params=sum(p.numel() for p in engine.module.parameters()))
+    shutdown()
+
+
+def deepspeed_save_cost(args) -> None:
+    import torch.multiprocessing as mp
+
+    from launcher.local import free_port
+
+    with tempfile.TemporaryDirectory(prefix="bench-ckpt-ds-", dir=os.environ.get("BENCH_DIR")) as tmp:
+        manager = mp.Manager()
+        out = manager.dict()
+        mp.spawn(deepspeed_worker, args=(2, free_port(), tmp, args.dim, args.layers, args.repeats, out), nprocs=2)
+        res = dict(out)
+    times = {tuple(key.split("|")): values for key, values in res["times"].items()}
+    med = statistics.median
+    print(f"model {res['params'] / 1e6:.1f} M params, checkpoint {res['nbytes'] / 1e6:.0f} MB (DeepSpeed ZeRO-2, "
+          f"model + AdamW), 2 ranks, blocking save of the slowest rank, median of {args.repeats} (warm pages)")
+    for page in ("in the page cache", "evicted before the commit"):
+        new, old = med(times[("summed as written", page)]), med(times[("read back", page)])
+        print(f"  files {page}:")
+        print(f"    read back at the commit   {old:.3f} s   "
+              f"({', '.join(f'{t:.2f}' for t in times[('read back', page)])})")
+        print(f"    summed as written         {new:.3f} s   "
+              f"({', '.join(f'{t:.2f}' for t in times[('summed as written', page)])})   new/old = {new / old:.2f}")
 
 
 # --- preemption recovery on the local Slurm cluster -------------------------------------
@@ -441,8 +554,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
-                        help="ddp: each rank reads the whole checkpoint back; fsdp: its own half")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp", "zero2"), default="ddp",
+                        help="ddp: each rank reads the whole checkpoint back; fsdp: its own half; zero2: "
+                             "DeepSpeed's files summed as written against read back at the commit")
     part = parser.add_mutually_exclusive_group()
     part.add_argument("--preemption", action="store_true", help="only the preemption recovery on the local cluster")
     part.add_argument("--skip-preemption", action="store_true", help="only the checkpoint cost (no Slurm)")
@@ -455,7 +569,7 @@ def main() -> None:
     if not args.skip_preemption and not CONF.is_file():
         sys.exit(f"no local Slurm cluster ({CONF} missing): run `make cluster-up` first, or --skip-preemption")
     if not args.preemption:
-        checkpoint_cost(args)
+        deepspeed_save_cost(args) if args.strategy == "zero2" else checkpoint_cost(args)
     if not args.skip_preemption:
         print_preemption(preemption_recovery(args), args)
 

@@ -2,9 +2,16 @@
 (:class:`train.strategies.base.Engine`: ``save_native``, ``load_native``): the
 checkpoint backend of DeepSpeed runs (:class:`DeepSpeedBackend`).
 
-DeepSpeed writes and reads its files itself, so no CRC is taken as they are written or
-read: the files are summed after the save (read back, shared out among the ranks, see
-:func:`train.checkpoint.manifest.share`) and verified in full before a load.
+DeepSpeed writes every model and optimizer file through its engine's checkpoint engine
+(``checkpoint_engine.save(state, path)``). For the time of a save that is replaced
+(:func:`summed_files`, called by :meth:`train.strategies.deepspeed.DeepSpeedEngine.save_native`)
+by one that ``torch.save``-s into a stream summing the bytes as they are written (CRC32
+and size, the manifest's entry) and fsyncs the file; DeepSpeed's recovery scripts, which
+rank 0 copies beside the tag, are summed from the package's own copy. Each rank leaves
+its entries in its side file, so the commit reads nothing back (a file summed by no one
+would still be read back there: :func:`train.checkpoint.manifest.unsummed`). DeepSpeed
+reads its files itself, so they are verified in full before a load
+(:func:`train.checkpoint.manifest.verify`).
 
 Resumed at another data-parallel size or ZeRO stage (``launcher.resume RUN_DIR
 cluster.nodes=M``), a ZeRO checkpoint does not load as it is (DeepSpeed refuses a DP
@@ -17,19 +24,23 @@ at any ZeRO stage (:func:`for_stage` adds what the new stage's loader reads).
 """
 from __future__ import annotations
 
+import functools
+import io
 import json
 import os
 import shutil
 from argparse import Namespace
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Optional
+from typing import Any, ClassVar, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from spec.rundir import needs_universal
-from train.checkpoint.manifest import Sums, saved_shape
+from train.checkpoint.dcp_writer import _SummingStream
+from train.checkpoint.manifest import Sums, crc32, fsync_path, saved_shape
 
 SUBDIR = "deepspeed"
 TAG = "state"  # the tag DeepSpeedEngine.save_native / load_native use
@@ -38,9 +49,10 @@ UNIVERSAL = "universal"  # checkpoints/universal/step_N: a step converted to the
 
 @dataclass
 class DeepSpeedBackend:
-    """DeepSpeed's engine writes and reads its own files (``deepspeed/``): none is summed as
-    it is written or read, all are verified before a load; always a blocking save. Resumed
-    at another data-parallel size or ZeRO stage, the engine loads the universal format."""
+    """DeepSpeed's engine writes and reads its own files (``deepspeed/``): each summed as it
+    is written by the rank that writes it, none as it is read (all are verified before a
+    load); always a blocking save. Resumed at another data-parallel size or ZeRO stage, the
+    engine loads the universal format."""
 
     rank: int
     shape: Mapping[str, Any] = field(default_factory=dict)  # this run's (spec.rundir.run_shape)
@@ -49,10 +61,11 @@ class DeepSpeedBackend:
     loads_in_place: ClassVar[bool] = False  # verified before: a rejected load read nothing
 
     def save(self, engine, tmp: Path, side: Path, sums: Sums, saver=None) -> None:
-        """The engine's files under ``tmp``; ``sums`` (this rank's files summed as written)
-        left in ``side`` for the manifest. Collective. (No ``saver``: never async.)"""
-        engine.save_native(tmp / SUBDIR)
-        side.write_text(json.dumps(sums))
+        """The engine's files under ``tmp``, fsynced; ``sums`` and the entries of the files
+        this rank wrote (summed as written: ``save_native``'s answer) left in ``side`` for
+        the manifest. Collective. (No ``saver``: never async.)"""
+        written = engine.save_native(tmp / SUBDIR) or {}  # None: read back at the commit
+        side.write_text(json.dumps({**sums, **{str(Path(SUBDIR) / rel): v for rel, v in written.items()}}))
 
     def summed_on_load(self, rel: str) -> bool:
         """No file is summed as it is loaded: DeepSpeed reads them itself, all verified first."""
@@ -78,6 +91,123 @@ class DeepSpeedBackend:
                 return reason[0]
         load(engine, ckpt, universal)
         return None
+
+
+class _SummedFile(_SummingStream):
+    """A file ``torch.save`` writes into, its CRC32 and size following the bytes handed to
+    ``write``. No ``fileno``: torch.save's legacy (non-zip) format would write the tensors'
+    bytes straight to the descriptor, past ``write`` and the sum."""
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("fileno")
+
+
+def save_summed(state: Any, path: Path, zipfile: bool = True) -> List[int]:
+    """``torch.save(state, path)`` as DeepSpeed's ``TorchCheckpointEngine.save`` does it
+    (``zipfile``: its ``_use_new_zipfile_serialization``), fsynced: the file's manifest
+    entry [size, CRC32], of the bytes as they were written."""
+    with open(path, "wb") as raw:
+        stream = _SummedFile(raw)
+        torch.save(state, stream, _use_new_zipfile_serialization=zipfile)
+        raw.flush()
+        os.fsync(raw.fileno())
+    return [stream.size, stream.crc]
+
+
+class SummingCheckpointEngine:
+    """DeepSpeed's ``TorchCheckpointEngine`` whose ``save`` is :func:`save_summed`, each
+    file's entry kept in ``sums`` under the path DeepSpeed gave; everything else
+    (``create``, ``makedirs``, ``commit``, ``load``, ...) is DeepSpeed's own."""
+
+    def __init__(self, inner, sums: Sums) -> None:
+        self.inner, self.sums = inner, sums
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.sums[os.fspath(path)] = save_summed(state_dict, Path(path), self.inner.zipfile_serialization)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+@contextmanager
+def summed_files(ds, root: Path) -> Iterator[Sums]:
+    """While DeepSpeed's engine ``ds`` saves under ``root`` (``save_checkpoint(root, ...)``
+    in the block), every file it writes is summed as written and fsynced; the dict yielded
+    holds, once the block ends, their entries by path relative to ``root`` (on global rank
+    0 with its recovery scripts': :func:`recovery_scripts`)."""
+    from deepspeed import __version__
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    # The one DeepSpeed attribute touched: DeepSpeedEngine.checkpoint_engine, through which
+    # save_checkpoint (0.19: _save_checkpoint, _save_zero_checkpoint, _save_moe_checkpoint)
+    # writes every model and optimizer file (``.save(state, path)``). It is replaced for the
+    # save, so each file is summed from the bytes as they are written, not read back. Only
+    # DeepSpeed's plain torch.save engine is replaced (another, e.g. the fast or decoupled
+    # writer of a ``checkpoint.writer`` config, writes its own way): anything else fails here.
+    inner = getattr(ds, "checkpoint_engine", None)
+    if type(inner) is not TorchCheckpointEngine or not hasattr(inner, "zipfile_serialization"):
+        raise RuntimeError(f"deepspeed {__version__}: the engine's checkpoint_engine is {type(inner).__name__}, not "
+                           "TorchCheckpointEngine with zipfile_serialization; train/checkpoint/deepspeed_io.py "
+                           "summed_files needs updating")
+    written: Sums = {}
+    sums: Sums = {}
+    ds.checkpoint_engine = SummingCheckpointEngine(inner, written)
+    try:
+        yield sums
+    finally:
+        ds.checkpoint_engine = inner
+    for path, entry in written.items():
+        rel = os.path.relpath(path, root)
+        if not rel.startswith(os.pardir):  # (a file outside the checkpoint is none of its own)
+            sums[rel] = entry
+    if dist.get_rank() == 0:
+        sums.update(recovery_scripts(root))
+
+
+# Copied by DeepSpeed 0.19 on global rank 0 into the save directory (shutil.copyfile, outside
+# its checkpoint engine: DeepSpeedEngine._copy_recovery_script) from deepspeed/utils/.
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+def recovery_scripts(root: Path) -> Sums:
+    """The entries of DeepSpeed's recovery scripts copied under ``root``, fsynced: each
+    summed from its source, the package's file it is a copy of (read once a process; the
+    checkpoint's copy is not read: one that differs fails verification before a load). A
+    copy not of its source's size is left out (read back at the commit)."""
+    import deepspeed
+
+    sums: Sums = {}
+    for name in RECOVERY_SCRIPTS:
+        copy, source = root / name, Path(deepspeed.__file__).parent / "utils" / name
+        if not (copy.is_file() and source.is_file()):
+            continue
+        stat = source.stat()
+        entry = list(_file_sum(str(source), stat.st_size, stat.st_mtime_ns))
+        if copy.stat().st_size == entry[0]:
+            _fsync_written(copy)
+            sums[name] = entry
+    return sums
+
+
+@functools.lru_cache(maxsize=None)
+def _file_sum(path: str, size: int, mtime_ns: int) -> Tuple[int, int]:
+    """(size, CRC32) of a file (of that size and time: read again if it changed)."""
+    data = Path(path).read_bytes()
+    return len(data), crc32(data)
+
+
+def _fsync_written(path: Path) -> None:
+    """fsync a file another writer wrote, through a write-only descriptor (nothing is read;
+    a read-only one where the file may not be opened for writing)."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except PermissionError:
+        fsync_path(path)
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load(engine, ckpt: Path, universal: bool = False) -> None:

@@ -110,8 +110,11 @@ class Engine(Protocol):
         """Inverse of :meth:`state_dict` (collective); ``optim`` may lack the ``param_groups.``
         keys (:data:`train.checkpoint.state.HYPERPARAMETERS`): the engine keeps its own then."""
 
-    def save_native(self, path: Path) -> None:
-        """Write the engine's own checkpoint files under ``path`` (DeepSpeed only)."""
+    def save_native(self, path: Path) -> Optional[Dict[str, List[int]]]:
+        """Write the engine's own checkpoint files under ``path`` (DeepSpeed only); the
+        [size, CRC32] of those this rank summed as it wrote them (and fsynced), by path
+        relative to ``path`` (the manifest's entries). Files it leaves out (all: None) are
+        read back and summed at the commit."""
 
     def load_native(self, path: Path) -> None:
         """Read what :meth:`save_native` wrote (DeepSpeed only)."""

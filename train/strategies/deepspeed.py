@@ -58,8 +58,15 @@ class DeepSpeedEngine(DeviceMemory):
         self.device = device
         self.stage = ds.zero_optimization_stage()
 
-    def save_native(self, path: Path) -> None:
-        self.ds.save_checkpoint(str(path), tag="state")
+    def save_native(self, path: Path) -> Dict[str, List[int]]:
+        """DeepSpeed's files under ``path``, each summed as it is written and fsynced by this
+        rank (:func:`train.checkpoint.deepspeed_io.summed_files`): their [size, CRC32] by
+        path relative to ``path``. No ``latest`` file: :meth:`load_native` names the tag."""
+        from train.checkpoint.deepspeed_io import summed_files
+
+        with summed_files(self.ds, path) as sums:
+            self.ds.save_checkpoint(str(path), tag="state", save_latest=False)
+        return sums
 
     def load_native(self, path: Path) -> None:
         self.ds.load_checkpoint(str(path), tag="state")
