@@ -136,3 +136,17 @@ def test_a_save_is_bounded_by_its_own_timeout_and_nests():
     assert w.overdue(now + 11)  # 41 s since the save began
     w.saved()  # the save ended: progress, the hang timeout again
     assert w.save_since is None and w.phase_name == "compute" and not w.overdue(time.time() + 5)
+
+
+def test_the_collective_timeout_covers_the_saves_bound():
+    """The save's barriers wait for its slowest writer: the process group's timeout is
+    train.dist_timeout_s, raised above checkpoint.save_timeout_s when that is longer."""
+    from spec.checkpointing import SAVE_TIMEOUT_MARGIN_S, collective_timeout_s, save_timeout_s
+
+    cfg, _, plan = _checked([*BIG, "cluster.fs_write_gbps=0.5", "cluster.signal_delay_s=600"])
+    assert cfg.checkpoint.save_timeout_s == math.ceil(3 * plan.save_s + 60) > cfg.train.dist_timeout_s
+    assert collective_timeout_s(cfg) == int(cfg.checkpoint.save_timeout_s + SAVE_TIMEOUT_MARGIN_S)
+    small, _, _ = _checked(BIG)  # 480 s on h100x8: under the 600 s collective timeout
+    assert collective_timeout_s(small) == small.train.dist_timeout_s
+    unresolved = compose_run(["+cluster=localslurm"])  # a run the launcher did not resolve: twice the hang timeout
+    assert unresolved.checkpoint.save_timeout_s is None and save_timeout_s(unresolved) == 2 * 120
