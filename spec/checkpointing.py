@@ -10,13 +10,14 @@ from spec.config import RunConfig
 
 
 def saves_async(cfg: RunConfig) -> bool:
-    """Whether periodic saves write in the background: ``checkpoint.async_save``, or with
-    null, on GPU clusters where the engine allows it (torch's DCP; DeepSpeed writes its own
-    files, blocking)."""
+    """Whether periodic saves write in the background: never with DeepSpeed (it writes its
+    own files, blocking); else ``checkpoint.async_save``, or with null, on GPU clusters."""
+    if cfg.strategy.engine != "torch":
+        return False
     c = cfg.checkpoint.async_save
     if c is not None:
         return bool(c)
-    return cfg.cluster.accelerator == "gpu" and cfg.strategy.engine == "torch"
+    return cfg.cluster.accelerator == "gpu"
 
 
 #: Seconds the collective timeout stays above the save's bound: the watchdog names a

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
+from launcher.plan.state_bytes import state_bytes_per_rank
 from spec.checkpointing import saves_async
 from spec.config import ConfigError, RunConfig
 from spec.ds_config import use_bf16
@@ -76,8 +77,7 @@ def checkpoint_bytes(cfg: RunConfig, layout: Layout) -> tuple:
         total = state + module
         node = total / nodes if cfg.strategy.zero_stage == 3 else state / nodes + module
         return total, node, total / layout.world_size
-    shard = layout.dp_shard if cfg.strategy.data_parallel == "fsdp" else 1
-    return state, state / nodes, state / (layout.tp * layout.pp * shard)
+    return state, state / nodes, state_bytes_per_rank(cfg, layout)
 
 
 def _seconds(node_bytes: float, total_bytes: float, per_node: Optional[float], total: Optional[float]

@@ -30,6 +30,7 @@ from launcher.plan.gate import check_fits  # noqa: F401  (the gate, for callers 
 from launcher.plan.gate import gb as _gb
 from launcher.plan.memory import (AC_MODES, CUDA_OVERHEAD, FRAGMENTATION, GB, Memory, compute_bytes, estimate,
                                   host_budget)
+from launcher.plan.state_bytes import state_bytes_per_rank
 from launcher.compose import PointComposer, expand, standalone
 from launcher.overrides import CONF_DIR, check_overrides, group_options, split_args
 from spec.config import ConfigError, RunConfig
@@ -102,7 +103,9 @@ def to_json(cfg: RunConfig, layout: Layout, mem: Memory, time: Optional[StepTime
         "fits": mem.fits,
         "buffer_bytes": mem.buffer_bytes, "overhead_bytes": mem.overhead_bytes, "init_bytes": mem.init_bytes,
         "cpu_bytes": mem.cpu_bytes, "host_bytes_per_node": mem.host_per_node, "host_limit_bytes": mem.host_limit,
-        "host_fits": mem.host_fits, "margin_bytes": mem.margin_bytes, "stage_params": mem.stage_params,
+        "host_fits": mem.host_fits, "snapshot_bytes_per_rank": mem.snapshot_bytes,
+        "snapshot_bytes_per_node": mem.snapshot_per_node, "state_bytes_per_rank": state_bytes_per_rank(cfg, layout),
+        "margin_bytes": mem.margin_bytes, "stage_params": mem.stage_params,
         "shard_degree": mem.shard_degree, "activation_checkpointing": cfg.strategy.activation_checkpointing,
         "activations_by_mode": mem.activations_by_mode, "engine": cfg.strategy.engine,
         "zero_stage": cfg.strategy.zero_stage, "layout": dict(zip(("pp", "dp_replicate", "dp_shard", "tp"),
@@ -117,7 +120,7 @@ def to_json(cfg: RunConfig, layout: Layout, mem: Memory, time: Optional[StepTime
 def _fits(mem: Memory) -> str:
     if mem.fits is None:
         return "?"
-    if not mem.host_fits:
+    if not mem.host_fits and mem.margin_bytes >= 0:  # the GPU's shortfall first, where both fall short
         return "NO (host)"
     return f"yes (+{_gb(mem.margin_bytes)})" if mem.fits else f"NO ({_gb(mem.margin_bytes)})"
 
@@ -163,12 +166,24 @@ def strategy_table(rows: List[Tuple[str, RunConfig, object]]) -> List[str]:
             have = f" of {_gb(mem.host_limit, unit)} {label} ({source})" if mem.host_limit else ""
             lines.append(f"{'':<15}offload: host memory {f(mem.cpu_bytes)} {label} per rank, {f(node)} {label} "
                          f"per node{have}")
+        if mem.snapshot_bytes:
+            lines.append(f"{'':<15}{snapshot_line(cfg, layout, mem, f, label)}")
         if mem.init_bytes >= mem.total_bytes:  # the start-up peak is the larger one
             lines.append(f"{'':<15}peak at start-up: {'; '.join(mem.notes) or 'model materialised'}")
     if any(cfg.cluster.accelerator == "gpu" for _, cfg, _ in rows):
         lines.append(f"overh: {CUDA_OVERHEAD / GB:g} GB a GPU for the CUDA context, cuBLAS and NCCL + "
                      f"{FRAGMENTATION:.0%} for fragmentation: assumptions, not yet measured on a GPU")
     return lines
+
+
+def snapshot_line(cfg: RunConfig, layout: Layout, mem: Memory, f, label: str) -> str:
+    """The async checkpoint's snapshot in host memory (docs/planner.md, "Host memory per node")."""
+    _, source, assumed = host_budget(cfg.cluster)
+    have = f" of {f(mem.host_limit)} {label}{f' ({source}: assumed)' if assumed else ''}" if mem.host_limit else ""
+    pinned = ", pinned" if cfg.cluster.accelerator == "gpu" else ""
+    return (f"async checkpoint snapshot: host memory {f(mem.snapshot_bytes)} {label} per rank "
+            f"({f(state_bytes_per_rank(cfg, layout))} {label} of state{pinned}), {f(mem.snapshot_per_node)} {label} "
+            f"per node{have}")
 
 
 def recommend_table(cands: List[Candidate], top: int, cfg: RunConfig, global_batch: int,
@@ -201,8 +216,8 @@ def nothing_runnable(cfg: RunConfig, global_batch: Optional[int] = None, mfu: fl
     if not c.gpu_mem_gb:
         return f"no layout of {cfg.model.name} on {c.name} runs in this version"
     why = (f"cluster.nodes={c.nodes}: no layout of {cfg.model.name} on {c.nodes} x {c.name} both fits "
-           f"{c.gpu_mem_gb:g} GB per GPU (and the host memory offload needs) and runs in this version (micro-batch "
-           f"{cfg.train.micro_batch_size} x train.seq_len={cfg.train.seq_len})")
+           f"{c.gpu_mem_gb:g} GB per GPU (and its host memory per node: offload, the async checkpoint snapshot) and "
+           f"runs in this version (micro-batch {cfg.train.micro_batch_size} x train.seq_len={cfg.train.seq_len})")
     nearest = nearest_runnable(cfg, global_batch, mfu)
     if nearest is None:
         return (f"{why}; nothing fits up to {NODE_FACTORS[-1]}x the nodes at any micro-batch: use a shorter "
