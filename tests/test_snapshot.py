@@ -233,7 +233,7 @@ def _submitted(tmp_path: Path, monkeypatch):
     launch.freeze_code(p)
     update_run_json(run_dir, status="failed", job_id="1", code_snapshot=snapshot.record(p.frozen, cfg))
     started = []
-    monkeypatch.setattr(relaunch, "check", lambda cfg: (build_layout(cfg), None))  # no Slurm asked
+    monkeypatch.setattr(relaunch, "check", lambda cfg: (build_layout(cfg), None, None))  # no Slurm asked
     monkeypatch.setattr(relaunch, "start", lambda session, point, **kw: started.append(point) or 0)
     return repo, run_dir, p.frozen, started
 
