@@ -27,6 +27,7 @@ for p in "${binary[@]}"; do
     -d "$OUT" "$p==$(version "$p")"
 done
 # torchtitan's, for the speed/torchtitan row (bench/torchtitan_speed.py)
+# shellcheck source=torchtitan_wheels.sh source-path=SCRIPTDIR
 source bench/torchtitan_wheels.sh
 du -sh "$OUT"
 ls "$OUT"

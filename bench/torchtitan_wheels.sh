@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by bench/gpu_wheels.sh (`make gpu-wheels`), with its PY, OUT and version(): the
 # wheels bench/torchtitan_speed.py needs on the GPU machine (torch 2.11 + CUDA 13, Python
 # 3.12, no registry) join the others in .whl/ (or $GPU_WHEELS), which bench/gpu_check.sh
@@ -27,5 +28,5 @@ mine=(); for p in tensorboard protobuf absl-py; do mine+=("$p==$(version "$p")")
 new=$(mktemp -d); trap 'rm -rf "$new"' EXIT
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py --abi none \
   --platform any -d "$new" "${titan[@]}" "${mine[@]}"
-ls "$new"/*.whl | grep -v -- '-py3-none-any.whl$' && { echo "torchtitan-wheels: a wheel above is not pure Python" >&2; exit 1; }
+printf '%s\n' "$new"/*.whl | grep -v -- '-py3-none-any.whl$' && { echo "torchtitan-wheels: a wheel above is not pure Python" >&2; exit 1; }
 mv "$new"/*.whl "$OUT"/

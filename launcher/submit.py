@@ -140,7 +140,8 @@ def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = No
                              c.task_cpus(), srun_gpu, code)
     grace = submitit_adapter.restart_grace_s(heartbeat_interval(c.hang_timeout_s))
     params.update(gpu, setup=params["setup"] + submitit_adapter.step_loop(
-        c.in_job_restarts, python or _task_python(code)[0], c.spare_nodes, c.nodes, c.gpus_per_node, grace),
+        c.in_job_restarts, python or _task_python(code)[0], c.spare_nodes, c.nodes, c.gpus_per_node, grace,
+        _task_python(code)[1]),
                   teardown=submitit_adapter.requeue_if_signalled(c.max_requeues))
     spare = {"no-kill": True} if c.spare_nodes else {}  # the job outlives a dead node
     params["additional_parameters"] = {"requeue": True, **spare, **extra, **params["additional_parameters"]}

@@ -75,7 +75,7 @@ def expand_hostlist(text: str) -> List[str]:
 
 
 # Set by the batch script's step loop for each srun it starts (0 first, then 1, 2, ... for
-# the restarts inside the job: slurm.submitit_adapter.step_loop). Absent: nothing restarts the step.
+# the restarts inside the job: slurm/step_loop.sh). Absent: nothing restarts the step.
 IN_JOB_RESTART_ENV = "STO_IN_JOB_RESTART"
 
 

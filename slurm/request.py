@@ -4,8 +4,8 @@ calls a Slurm client.
 Slurm's client (scontrol, squeue, sacct, scancel, sinfo) is often missing where the tasks
 run (a pyxis container image), while the batch script runs outside any container, where
 sbatch started it. So under Slurm every call about the job itself goes through the batch
-script's step function (:func:`slurm.submitit_adapter.step_loop`), the one place that
-acts on the job:
+script's step function (``slurm/step_loop.sh``, which the script sources), the one place
+that acts on the job:
 
 - A task that wants the job requeued (after a preemption's or a time limit's checkpoint:
   train/harness/outcome.py), requeued without nodes (train/harness/badnodes.py) or

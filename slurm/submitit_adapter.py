@@ -9,9 +9,10 @@ submitit upgrade fails that test, not a job:
 - ``submitit.core.utils.DelayedSubmission``: the pickle the job side loads, written here for
   job-array elements (``dump``) with submitit's requeue budget (``set_timeout``).
 
-The step function of the batch script (:func:`step_loop`) also relies on the srun line's
-last word being the job's folder, as submitit's executor writes it
-(``_submitit_command_str``; the dry run's :func:`submitit_command` is tested equal to it).
+The step function of the batch script (slurm/step_loop.sh, sourced by :func:`step_loop`'s
+lines) also relies on the srun line's last word being the job's folder, as submitit's
+executor writes it (``_submitit_command_str``; the dry run's :func:`submitit_command` is
+tested equal to it).
 
 What a task runs is a :class:`TaskCall`: a function named by ``"module:function"`` and its
 arguments, imported when the task calls it, so the login side never imports the compute side.
@@ -90,128 +91,9 @@ def requeue_if_signalled(max_requeues: int) -> list[str]:
     return _REQUEUE_IF_SIGNALLED.format(max_requeues=int(max_requeues)).splitlines()
 
 
-# The training step. The last setup lines define `srun` as a function, so the srun line
-# submitit writes after them (its last argument: the job's submitit folder, RUN_DIR/slurm,
-# or SWEEP/.arrays/UID/%a for an element of a job array, a link to RUN_DIR/slurm) runs
-# through it. It
-# 1. writes RUN_DIR/slurm_job.txt once (the job's fields with EndTime in epoch seconds,
-#    its partition's nodes: the tasks' time left and room for an exclusion);
-# 2. runs the step in the background and, every second while it runs and once after it,
-#    does what a task asked in RUN_DIR/SLURM_REQUEST (slurm/request.py: requeue, requeue
-#    without nodes, cancel; taken by a rename, so done once): the tasks call no Slurm
-#    client, and a dead node's step (srun waits for it until Slurm declares it DOWN) is
-#    requeued at once. A request done ends the script: Slurm requeues or ends the job.
-#    Before a requeue the step's srun is killed: one still waiting on a dead node was seen
-#    to outlive the requeue and, timing out, cancel "step N.0" of the job id, by then the
-#    requeued job's own first step (test_node_failure's job ended FAILED on its new nodes);
-# 3. starts the step again while it left RUN_DIR/RESTART (a task's request: its failure
-#    is one to restart; train/harness/restart.py) and restarts are left. srun returns
-#    once every task of the step has ended, so the old step's processes are gone when the
-#    next starts; STO_IN_JOB_RESTART numbers the starts (slurm.env.in_job_restart: the
-#    rendezvous port follows it; unset for cluster.in_job_restarts=0: nothing restarts).
-#    A task still running {grace} s (:func:`restart_grace_s`) after RESTART appeared is
-#    one that cannot end by itself (a peer waiting in the rendezvous for a rank 0 that
-#    failed to bind its port waits until train.dist_timeout_s): the loop ends the step
-#    (scancel --signal=KILL of its newest step, in the background, and srun killed) and
-#    starts the next. The teardown sees the last step's exit status.
-# `wait -n` (bash >= 4.3) wakes at the step's end or after a second, whichever is first.
-_STEP_LOOP = """\
-sto_job=${{SLURM_ARRAY_JOB_ID:+${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}}}
-sto_job=${{sto_job:-$SLURM_JOB_ID}}
-sto_failed() {{
-  echo "job $sto_job: scontrol $2 failed: $3" >&2
-  {python} -m slurm.request failed "$@" || echo "job $sto_job: not recorded in run.json" >&2
-}}
-sto_kill_srun() {{  # the step's srun, $! (a subshell: srun is its child); /proc first, pkill if need be
-  local kids; kids=$(cat /proc/"$1"/task/*/children 2>/dev/null) || kids=$(pgrep -P "$1" 2>/dev/null)
-  kill -KILL $kids "$1" 2>/dev/null
-}}
-sto_end_step() {{  # $1: the step's srun ($!), $2: why
-  local step
-  step=$(sto_slurm squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null |
-    sed -n 's/^[0-9_]*[.]\\([0-9][0-9]*\\)$/\\1/p' | sort -n | tail -n 1)  # the newest step: this srun's
-  echo "$(date -u +%FT%TZ) $2: ending step ${{step:-?}} of job $sto_job" >&2
-  # in the background: scancel answers after MessageTimeout when a node of the step is dead
-  [ -n "$step" ] && {{ sto_slurm scancel --signal=KILL "$SLURM_JOB_ID.$step" 2>/dev/null & }}
-  sto_kill_srun "$1"
-}}
-sto_request() {{
-  local taken="$1/.{request}.taken" action nodes reason out
-  [ -e "$1/{request}" ] && mv -f "$1/{request}" "$taken" 2>/dev/null || return 1
-  action=$(sed -n 's/^action=//p' "$taken")
-  nodes=$(sed -n 's/^exclude=//p' "$taken")
-  reason=$(sed -n 's/^reason=//p' "$taken")
-  echo "the step asks: $action job $sto_job${{nodes:+ without $nodes}} ($reason)" >&2
-  if [ -n "$2" ] && [ "$action" != cancel ]; then  # the step's srun, still running: gone before the requeue
-    sto_kill_srun "$2"; wait "$2" 2>/dev/null
-  fi
-  case $action in
-    requeue) out=$(sto_slurm scontrol requeue "$sto_job" 2>&1) || {{ sto_failed "$1" requeue "$out"; return 1; }} ;;
-    exclude)
-      trap '' TERM  # the hold-requeue's SIGTERM must not end this script before the release
-      out=$(sto_slurm scontrol requeuehold "$sto_job" 2>&1) || {{ sto_failed "$1" requeuehold "$out"; trap - TERM; return 1; }}
-      out=$(sto_slurm scontrol update "JobId=$sto_job" "ExcNodeList=$nodes" 2>&1) || sto_failed "$1" update "$out"
-      out=$(sto_slurm scontrol release "$sto_job" 2>&1) || sto_failed "$1" release "$out" ;;
-    cancel) out=$(sto_slurm scancel "$sto_job" 2>&1) || {{ echo "scancel $sto_job failed: $out" >&2; return 1; }} ;;
-    *) echo "job $sto_job: unknown request $action" >&2; return 1 ;;
-  esac
-}}
-srun() {{
-  local folder="${{@: -1}}" code i=0 pid waited
-  local dir="${{folder//%a/$SLURM_ARRAY_TASK_ID}}/.."
-  {{ SLURM_TIME_FORMAT=%s sto_slurm scontrol show job -o "$SLURM_JOB_ID"
-    sto_slurm sinfo -h -N -p "$SLURM_JOB_PARTITION" -o '%N|%t|%f'; }} 2>/dev/null > "$dir/{facts}"
-  while :; do
-    rm -f "$dir/{restart}" "$dir/{request}"
-    {restart_env}sto_slurm srun "$@" &
-    pid=$! waited=0
-    while kill -0 "$pid" 2>/dev/null; do
-      sleep 1 & wait -n
-      kill $! 2>/dev/null
-      sto_request "$dir" "$pid" && exit 0
-      [ -e "$dir/{restart}" ] && waited=$((waited + 1))
-      [ "$waited" -ge {grace} ] &&
-        {{ sto_end_step "$pid" "a task still runs {grace} s after the restart was asked"; break; }}
-    done
-    wait "$pid"
-    code=$?
-    sto_request "$dir" && exit 0
-    [ "$code" -ne 0 ] && [ -e "$dir/{restart}" ] && [ "$i" -lt {restarts} ] || return "$code"
-    i=$((i + 1))
-    echo "$(date -u +%FT%TZ) the step failed (exit $code; $(cat "$dir/{restart}")):" \\
-      "restart $i of {restarts} inside job $sto_job" >&2
-  done
-}}"""
-
-
-# With hot spares (cluster.spare_nodes=K: sbatch --nodes=N+K --no-kill), lines added to
-# the step function above (K=0 renders it unchanged). Every srun asks for the N training
-# nodes (--nodes, --ntasks: srun would take the job's N+K from the batch environment) with
-# --overlap, and --exclude for the nodes the job's restarts dropped: the old step's record
-# holds its CPUs until Slurm hears from its dead node (seen with Slurm 22.05: without
-# --overlap the next step waits for that). A restart that drops nodes (RESTART's line
-# `exclude=NODES`: every node dropped in this job so far, train/harness/restart.py) ends
-# the old srun itself two polls after the request (its surviving tasks have recorded and
-# exit by then): srun would wait for the dead node's tasks until Slurm declares the node
-# DOWN (SlurmdTimeout), and `scancel --signal=KILL` of the step ends anything left of it
-# (in the background: it answers only after MessageTimeout, waiting for the dead node).
-_SPARE_FUNCTIONS = """\
-sto_drop=  # the nodes this job's restarts dropped (RESTART's exclude=): srun --exclude"""
-_SPARE_EDITS = (
-    ("srun() {{\n  local folder=\"${{@: -1}}\" code i=0 pid waited",
-     "srun() {{\n  local folder=\"${{@: -1}}\" code i=0 pid waited drop"),
-    ("    {restart_env}sto_slurm srun \"$@\" &",
-     "    {restart_env}sto_slurm srun --nodes={nodes} --ntasks={ntasks} --overlap ${{sto_drop:+--exclude=$sto_drop}} "
-     "\"$@\" &"),
-    # RESTART is written whole (os.replace), its exclude= line with it: two polls that saw it
-    ("      [ -e \"$dir/{restart}\" ] && waited=$((waited + 1))\n",
-     "      [ -e \"$dir/{restart}\" ] && waited=$((waited + 1))\n"
-     "      [ \"$waited\" -ge 2 ] && grep -q '^exclude=.' \"$dir/{restart}\" 2>/dev/null && "
-     "{{ sto_end_step \"$pid\" \"the step asks for a restart without $(sed -n 's/^exclude=//p' \"$dir/{restart}\")\"; "
-     "break; }}\n"),
-    ("    i=$((i + 1))\n",
-     "    i=$((i + 1))\n    drop=$(sed -n 's/^exclude=//p' \"$dir/{restart}\")\n    sto_drop=${{drop:-$sto_drop}}\n"),
-)
+# The training step's loop: slurm/step_loop.sh (what it does, and why, is written there),
+# sourced by the batch script after the lines that set its parameters.
+STEP_LOOP = Path(__file__).resolve().with_name("step_loop.sh")
 
 
 def restart_grace_s(heartbeat_s: float) -> int:
@@ -222,30 +104,30 @@ def restart_grace_s(heartbeat_s: float) -> int:
 
 
 def step_loop(restarts: int, python: Optional[str] = None, spares: int = 0, nodes: int = 1,
-              tasks_per_node: int = 1, grace_s: int = 60) -> list[str]:
-    """The batch script's last setup lines for a training job: the step function above,
-    with ``cluster.in_job_restarts=restarts`` (0: the step runs once) and ``python`` (as
-    for :func:`task_python`) to record a failed Slurm call in run.json. ``spares``
+              tasks_per_node: int = 1, grace_s: int = 60, wrapper: Optional[str] = None) -> list[str]:
+    """The batch script's last setup lines for a training job: the parameters of the step's
+    loop (:data:`STEP_LOOP`) and the line that sources it, with
+    ``cluster.in_job_restarts=restarts`` (0: the step runs once) and ``python`` (as for
+    :func:`task_python`) to record a failed Slurm call in run.json. ``spares``
     (``cluster.spare_nodes``) > 0: the step runs on ``nodes`` of the job's nodes with
-    ``tasks_per_node`` tasks each, and a restart can drop nodes (:data:`_SPARE_EDITS`).
-    ``grace_s``: how long a task may outlive the restart's request (:func:`restart_grace_s`)."""
+    ``tasks_per_node`` tasks each, and a restart can drop nodes. ``grace_s``: how long a task
+    may outlive the restart's request (:func:`restart_grace_s`). ``wrapper``: the task wrapper
+    of the job's code (:func:`task_python`'s; a run's frozen copy, launcher/snapshot.py): the
+    loop sourced is the one beside it, so a requeued job runs the loop it was submitted with."""
     python = shlex.quote(sys.executable) if python is None else python
-    template = _STEP_LOOP
-    if spares > 0:
-        template = template.replace("\nsrun() {{", "\n" + _SPARE_FUNCTIONS + "\nsrun() {{", 1)
-        for old, new in _SPARE_EDITS:
-            if old not in template:
-                raise AssertionError(f"step loop template changed: {old!r} not found")
-            template = template.replace(old, new, 1)
-    head = ("# the training step (slurm/submitit_adapter.step_loop): does what its tasks ask of Slurm "
+    loop = Path(wrapper).with_name(STEP_LOOP.name) if wrapper else STEP_LOOP
+    head = ("# the training step (slurm/step_loop.sh): does what its tasks ask of Slurm "
             "(RUN_DIR/SLURM_REQUEST), runs it again while it leaves RUN_DIR/RESTART "
             f"(cluster.in_job_restarts={int(restarts)})")
+    spare = ""
     if spares > 0:
         head += f" on {int(nodes)} of the job's nodes (cluster.spare_nodes={int(spares)})"
-    return [head, *template.format(restarts=int(restarts), restart=RESTART, request=SLURM_REQUEST, facts=SLURM_JOB,
-                                   python=python, restart_env="STO_IN_JOB_RESTART=$i " if int(restarts) > 0 else "",
-                                   nodes=int(nodes), ntasks=int(nodes) * int(tasks_per_node),
-                                   grace=int(grace_s)).splitlines()]
+        spare = f" STO_STEP_NODES={int(nodes)} STO_STEP_NTASKS={int(nodes) * int(tasks_per_node)}"
+    return [head,
+            f"STO_RESTARTS={int(restarts)} STO_GRACE_S={int(grace_s)} STO_PYTHON={shlex.quote(python)}",
+            f"STO_REQUEST={shlex.quote(SLURM_REQUEST)} STO_RESTART={shlex.quote(RESTART)} "
+            f"STO_FACTS={shlex.quote(SLURM_JOB)} STO_SPARES={int(spares)}{spare}",
+            f". {shlex.quote(str(loop))} || exit 1"]
 
 
 TASK_WRAPPER = Path(__file__).resolve().with_name("task_wrapper.sh")

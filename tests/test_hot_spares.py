@@ -37,11 +37,12 @@ def test_the_job_asks_for_the_spares_and_the_step_for_the_training_nodes():
     script = script_of(SPARE)
     flags = sbatch_flags(script)
     assert flags["--nodes"] == "3" and "--no-kill" in flags and flags["--ntasks-per-node"] == "2"
-    assert "sto_slurm srun --nodes=2 --ntasks=4 --overlap ${sto_drop:+--exclude=$sto_drop} \"$@\" &" in script
+    # slurm/step_loop.sh's srun --nodes=2 --ntasks=4 --overlap (and --exclude for the dropped nodes)
+    assert "STO_SPARES=1 STO_STEP_NODES=2 STO_STEP_NTASKS=4\n" in script
     assert "(cluster.spare_nodes=1)" in script
     plain = script_of(["+cluster=localslurm", "cluster.nodes=2"])  # K=0: no trace of spares
     assert "--no-kill" not in sbatch_flags(plain) and sbatch_flags(plain)["--nodes"] == "2"
-    assert "sto_drop" not in plain and "--overlap" not in plain
+    assert "STO_SPARES=0\n" in plain and "STO_STEP_" not in plain and "--overlap" not in plain
     assert submitit_adapter.step_loop(3, "py") == submitit_adapter.step_loop(3, "py", 0, 2, 8)
 
 

@@ -5,7 +5,7 @@ training step runs on 2). `slurm/cluster/node.sh kill` SIGKILLs a training node'
 and tasks; the surviving ranks classify a node failure and ask an in-job restart without
 it (train/harness/restart.py); the batch script ends the old srun itself (which would
 wait for the dead node until Slurm declares it DOWN, SlurmdTimeout=120 here) and starts
-the next step on the spare (slurm/submitit_adapter.py). The run completes in the same job
+the next step on the spare (slurm/step_loop.sh). The run completes in the same job
 (SLURM_RESTART_COUNT 0, no requeue), and its first step after the kill is logged while
 sinfo does not yet show the killed node DOWN: an order, checked by asking sinfo when that
 step appears (DOWN stays until the node is started again, in `finally`).

@@ -18,6 +18,14 @@ from spec.layout import build_layout
 GOLDEN = Path(__file__).parent / "golden"
 RUN_DIR = Path("/scratch/runs/demo run")   # a space: every path must be quoted
 WRAPPER = "/opt/sto/slurm/task_wrapper.sh"  # where the project lies differs between checkouts
+LOOP = "/opt/sto/slurm/step_loop.sh"  # the step loop beside it (a run's frozen copy holds both)
+
+
+def portable(script: str) -> str:
+    """A script rendered without frozen code, with this checkout's step loop named :data:`LOOP`."""
+    here = f". {shlex.quote(str(submitit_adapter.STEP_LOOP))} "
+    assert script.count(here) == 1, "the script sources the step loop once"
+    return script.replace(here, f". {LOOP} ")
 
 
 def _a100_two_nodes():
@@ -27,7 +35,7 @@ def _a100_two_nodes():
 
 def test_golden_a100x8_two_nodes():
     cfg = _a100_two_nodes()
-    script = render_script(cfg, build_layout(cfg), RUN_DIR, python="/opt/venv/bin/python", wrapper=WRAPPER)
+    script = portable(render_script(cfg, build_layout(cfg), RUN_DIR, python="/opt/venv/bin/python", wrapper=WRAPPER))
     golden = GOLDEN / "a100x8_2nodes.sbatch"
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(script)
@@ -46,8 +54,8 @@ def test_golden_hostile_run_dir_job_name_and_env():
     cfg.launcher.job_name = HOSTILE_JOB_NAME
     cfg.cluster.env["WEIRD"] = "a 'b' \"c\" $(touch x); `y`"
     validate(cfg)  # accepted: none of it is a control character, a backslash or a %
-    script = render_script(cfg, build_layout(cfg), HOSTILE_RUN_DIR, python="/opt/venv/bin/python",
-                           wrapper=WRAPPER)
+    script = portable(render_script(cfg, build_layout(cfg), HOSTILE_RUN_DIR, python="/opt/venv/bin/python",
+                                    wrapper=WRAPPER))
     golden = GOLDEN / "a100x8_2nodes_hostile.sbatch"
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(script)
@@ -151,7 +159,7 @@ GPU_GOLDENS = [
 def _gpu_golden(cluster: str, overrides: list):
     cfg = _compose([f"+cluster={cluster}", "cluster.nodes=2", "+model=llama3_8b", "+strategy=ddp", *overrides])
     validate(cfg)
-    return cfg, render_script(cfg, build_layout(cfg), RUN_DIR, python="/opt/venv/bin/python", wrapper=WRAPPER)
+    return cfg, portable(render_script(cfg, build_layout(cfg), RUN_DIR, python="/opt/venv/bin/python", wrapper=WRAPPER))
 
 
 @pytest.mark.parametrize("name,cluster,overrides", GPU_GOLDENS[1:])  # a100x8's: test_golden_a100x8_two_nodes
@@ -241,3 +249,17 @@ def test_conversion_job_takes_the_node_cpus_without_gpus():
     assert (job["--nodes"], job["--ntasks-per-node"], job["--cpus-per-task"], job["--mem"]) == ("1", "1", "104", "0")
     assert step["--cpus-per-task"] == "104" and not {"--gpus-per-task", "--gpu-bind"} & set(step)
     assert not {"--gpus-per-node", "--gpus-per-task", "--ntasks", "--requeue", "--wckey"} & set(job)
+
+
+def test_a_frozen_run_sources_the_step_loop_of_its_copy():
+    """The step loop is sourced from the run's frozen code, beside its task wrapper (the
+    checkout's only without a copy): a requeued job runs the loop it was submitted with."""
+    from launcher.snapshot import PROJECT, Frozen
+
+    copy = Path("/scratch/runs/.code/0123abcd")
+    cfg = _a100_two_nodes()
+    script = render_script(cfg, build_layout(cfg), RUN_DIR, code=Frozen(((PROJECT, copy),), {}))
+    assert f"\n. {copy}/slurm/step_loop.sh || exit 1\n" in script
+    assert f"/bin/bash {copy}/slurm/task_wrapper.sh " in script and str(submitit_adapter.STEP_LOOP) not in script
+    assert f". {shlex.quote(str(submitit_adapter.STEP_LOOP))} || exit 1" in render_script(cfg, build_layout(cfg),
+                                                                                          RUN_DIR)

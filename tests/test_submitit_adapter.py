@@ -123,22 +123,22 @@ def test_a_job_queued_before_its_entry_point_moved_still_finds_it():
 
 
 def test_the_step_loop_kills_srun_and_its_children_without_pkill(tmp_path):
-    """``sto_kill_srun`` (the step loop's, before a requeue) finds the subshell's children in
-    /proc: a batch host without procps' pkill still kills the step's srun."""
-    import re
+    """``sto_kill_srun`` (slurm/step_loop.sh's, before a requeue) finds the subshell's children
+    in /proc: a batch host without procps' pkill still kills the step's srun."""
+    import shlex
     import subprocess
     import time
 
-    body = re.search(r"^sto_kill_srun\(\) \{\{.*?^\}\}$", submitit_adapter._STEP_LOOP, re.S | re.M).group(0)
-    body = body.replace("{{", "{").replace("}}", "}")
-    script = (f"{body}\n(sleep 300; true) & pid=$!\nsleep 0.3\nkids=$(cat /proc/$pid/task/*/children)\n"
-              "sto_kill_srun $pid; wait $pid 2>/dev/null; echo \"$kids\"")
+    script = (f". {shlex.quote(str(submitit_adapter.STEP_LOOP))}\n(sleep 300; true) & pid=$!\nsleep 0.3\n"
+              "kids=$(cat /proc/$pid/task/*/children)\nsto_kill_srun $pid; wait $pid 2>/dev/null; echo \"$kids\"")
     bin_dir = tmp_path / "bin"  # bash, cat and sleep, but no pkill or pgrep
     bin_dir.mkdir()
     for tool in ("cat", "sleep"):
         (bin_dir / tool).symlink_to(subprocess.run(["which", tool], capture_output=True, text=True).stdout.strip())
-    out = subprocess.run(["/bin/bash", "-c", script], env={"PATH": str(bin_dir)}, capture_output=True, text=True,
-                         timeout=30)
+    loop_env = {"STO_PYTHON": "python", "STO_REQUEST": "SLURM_REQUEST", "STO_RESTART": "RESTART",
+                "STO_FACTS": "slurm_job.txt"}  # the loop's parameters, as a batch script sets them
+    out = subprocess.run(["/bin/bash", "-c", script], env={"PATH": str(bin_dir), **loop_env}, capture_output=True,
+                         text=True, timeout=30)
     (sleeper,) = out.stdout.split()
     time.sleep(0.1)
     state = Path(f"/proc/{sleeper}/stat")

@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # the settings are for the scripts that source this file
 # Shared settings and helpers for the local Slurm cluster scripts (up/down/status/env).
 # Sourced, never executed. Everything this cluster owns lives under ONE directory,
 # ${LOCALSLURM_DIR:-/tmp/localslurm}; nothing is written to /etc, /run or /var.
@@ -119,6 +120,7 @@ ls_all_pids() {
 # node. slurmd daemonizes (setsid + fork), so it outlives the caller.
 ls_start_node() {
   local n=$1
+  # shellcheck disable=SC2016  # $1..$4: the inner sh's arguments, expanded there
   setsid env "$LS_TAG" unshare --uts --mount --propagation private sh -c '
       hostname "$1" && mount --bind "$2" /etc/hosts || exit 1
       echo "$1 $(readlink /proc/self/ns/uts)" >"$3"

@@ -5,6 +5,7 @@
 # the node namespaces, daemons whose pid file is gone). Always exits 0; does nothing
 # when nothing runs. State stays on disk (up.sh wipes it).
 set -euo pipefail
+# shellcheck source=common.sh source-path=SCRIPTDIR
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 t0=$(ls_now_ms)

@@ -3,6 +3,7 @@
 # compute node (its slurmd, slurmstepd and job tasks), as a node crash would;
 # `node.sh start NODE` starts its slurmd again and returns it to service.
 set -euo pipefail
+# shellcheck source=common.sh source-path=SCRIPTDIR
 source "$(dirname "$0")/common.sh"
 export SLURM_CONF="$LS_ETC/slurm.conf"
 action=${1:-}; node=${2:-}
@@ -10,6 +11,7 @@ action=${1:-}; node=${2:-}
 case $action in
   kill)
     pids=$(ls_pids_of_node "$node" | tr '\n' ' ')
+    # shellcheck disable=SC2086  # $pids: the pids, a word each
     [ -n "$pids" ] && kill -KILL $pids 2>/dev/null || true
     echo "killed ${node}: ${pids:-nothing running}" ;;
   start)

@@ -2,6 +2,7 @@
 # Is the local Slurm cluster of up.sh running? Prints each daemon's state, then sinfo
 # and squeue. Exit 0 when every daemon is alive and slurmctld answers, 1 otherwise.
 set -euo pipefail
+# shellcheck source=common.sh source-path=SCRIPTDIR
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 up=0

@@ -5,6 +5,7 @@
 # sinfo shows all nodes idle and sacct answers; on failure exits 1 with a one-line
 # reason and the tail of the relevant log. All state: ${LOCALSLURM_DIR:-/tmp/localslurm}.
 set -euo pipefail
+# shellcheck source=common.sh source-path=SCRIPTDIR
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 t0=$(ls_now_ms)

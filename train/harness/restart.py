@@ -2,7 +2,7 @@
 place in the queue.
 
 1. The batch script runs the training step in a loop
-   (:func:`slurm.submitit_adapter.step_loop`): the k-th srun of the job gets
+   (``slurm/step_loop.sh``): the k-th srun of the job gets
    ``STO_IN_JOB_RESTART=k`` (:attr:`spec.identity.TaskIdentity.in_job_restart`; the
    rendezvous port follows it, :func:`slurm.env.rendezvous_port`).
 2. A task whose workload failed records the failure first
