@@ -148,16 +148,13 @@ def _count_blocks() -> None:
 
 def _parallel(cfg, layout: str, rank: int, ranks: int):
     """Rank ``rank``'s model of ``layout``, materialised (empty) on the CPU."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     from train.model import build_model
     from train.strategies.tp import apply_tp
+    from train.torch_compat import fake_process_group
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+    fake_process_group(rank, ranks)
     # A mesh name of this rank's own: DTensor caches specs (their mesh with them) by mesh
     # equality, which ignores the rank, so rank after rank would reuse the first one's mesh.
     mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=(f"{layout}{rank}",))

@@ -187,11 +187,12 @@ def compose_points(master: DictConfig, loader: Any, job_overrides: Sequence[Sequ
 def expand(overrides: Sequence[str]) -> List[List[str]]:
     """The points of ``overrides`` (``cluster.nodes=1,2,4``) as Hydra's basic sweeper lists
     them for ``-m``: the cartesian product, in the same order."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from launcher.compat import basic_sweeper
+
     parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
-    return [list(point) for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
+    return [list(point) for batch in basic_sweeper().split_arguments(parsed, None) for point in batch]
 
 
 @contextlib.contextmanager

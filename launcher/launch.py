@@ -71,13 +71,15 @@ def config_yaml(cfg: RunConfig, cache: Dict[Tuple[str, str], str]) -> str:
     holds plain values, lists and dicts only), one top-level section at a time (a block
     mapping is the concatenation of its keys' blocks)."""
     import yaml
-    from omegaconf._utils import get_omega_conf_dumper
 
+    from launcher.compat import omegaconf_yaml_dumper
+
+    dumper = omegaconf_yaml_dumper()
     parts = []
     for name, value in dataclasses.asdict(cfg).items():
         key = (name, repr(value))  # repr tells 1, 1.0, "1" and True apart
         if key not in cache:
-            cache[key] = yaml.dump({name: value}, Dumper=get_omega_conf_dumper(), default_flow_style=False,
+            cache[key] = yaml.dump({name: value}, Dumper=dumper, default_flow_style=False,
                                    allow_unicode=True, sort_keys=False)
         parts.append(cache[key])
     return "".join(parts)

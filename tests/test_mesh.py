@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from helpers import compose_run
 from spec.layout import AXES, build_layout
 from train.mesh import build_mesh, data_parallel_mesh, dp_mesh
+from train.torch_compat import fake_process_group
 
 # (nodes, gpus_per_node, strategy overrides): 64 .. 1024 ranks.
 CASES = [
@@ -37,11 +37,7 @@ def _layout(nodes, gpn, overrides):
 @pytest.fixture
 def fake_world():
     """init(rank, world) joins a fake process group; torn down after the test."""
-    def init(rank: int, world: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    yield init
+    yield fake_process_group
     if dist.is_initialized():
         dist.destroy_process_group()
 

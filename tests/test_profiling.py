@@ -1,4 +1,4 @@
-"""The profiler (issue 32 item 3, train/profiling.py): torch.profiler over profile.steps,
+"""The profiler (train/profiling.py): torch.profiler over profile.steps,
 profile.every and RUN_DIR/PROFILE_NOW windows on profile.ranks, Chrome traces in
 RUN_DIR/profile/step_<START>/rank<R>.json.gz, the out-of-memory dump of profile.memory=true.
 
@@ -209,4 +209,6 @@ def test_on_cuda_the_trace_has_kernels_and_memory_snapshots_are_written(tmp_path
     assert "segments" in pickle.loads((tmp_path / PROFILE / "oom_rank0.pickle").read_bytes())
     assert json.loads((tmp_path / PROFILE / "oom_rank0.json").read_text())["snapshot"] == "oom_rank0.pickle"
     prof.close()
-    torch.cuda.memory._record_memory_history(enabled=None)
+    from train.torch_compat import stop_memory_history
+
+    stop_memory_history()

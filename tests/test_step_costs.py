@@ -1,4 +1,4 @@
-"""What a training step sends besides the gradients it must (issue 31 item 6), counted on 2
+"""What a training step sends besides the gradients it must, counted on 2
 gloo ranks forked warm (tests/warm.py):
 
 - DDP does not broadcast the RoPE buffer before every forward (``broadcast_buffers``):

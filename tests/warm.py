@@ -67,11 +67,13 @@ def preload() -> None:
     import launcher.overrides  # noqa: F401
     import launcher.track.resume  # noqa: F401
     import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
     import train.harness.forked  # noqa: F401
     import train.loop  # noqa: F401
     import train.main  # noqa: F401
+    from train.torch_compat import import_dynamo
+
+    import_dynamo()  # the optimizer's constructor imports it
     import train.strategies
 
     for info in pkgutil.iter_modules(train.strategies.__path__):  # every engine, DeepSpeed's included

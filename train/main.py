@@ -45,7 +45,10 @@ def warm_imports(run_dir: str) -> None:
         return  # a user's code: it imports what it imports, after the fork
     cfg = to_run_config(Path(run_dir) / CONFIG)
     import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401  (the optimizer's constructor imports it)
+
+    from train.torch_compat import import_dynamo
+
+    import_dynamo()  # torch._dynamo (the optimizer's constructor imports it)
     import torch.distributed.checkpoint  # noqa: F401  (saves and resumes)
 
     import train.loop  # noqa: F401

@@ -1,4 +1,5 @@
-"""The profiler (issue 32 item 3): ``torch.profiler`` over chosen steps on chosen ranks.
+"""The profiler: ``torch.profiler`` over chosen steps on chosen ranks (with the step times and
+stragglers of train/steptimes.py and the stacks on demand, one of the ways to see inside a run).
 
 A :class:`StepProfiler` is told where each step starts and ends (:meth:`~StepProfiler.before`,
 :meth:`~StepProfiler.after`; the built-in trainer's loop, or :func:`train.session.profiled_step`
@@ -20,9 +21,10 @@ step, numbered as the run counts them, so a window's trace holds ``ProfilerStep#
 is written with the steps it has.
 
 ``profile.memory=true`` adds the allocations to the trace (``profile_memory``) and, on
-CUDA, records the caching allocator's history (``torch.cuda.memory._record_memory_history``,
-Python stacks, the last :data:`MEMORY_ENTRIES` events) on every rank for the whole run: a
-snapshot ``rank<R>_memory.pickle`` beside each trace (https://pytorch.org/memory_viz), and
+CUDA, records the caching allocator's history (torch's private ``_record_memory_history``,
+fenced in train/torch_compat.py; Python stacks, the last :data:`MEMORY_ENTRIES` events) on
+every rank for the whole run: a snapshot ``rank<R>_memory.pickle`` beside each trace
+(https://pytorch.org/memory_viz), and
 a rank that raises ``torch.OutOfMemoryError`` writes ``RUN_DIR/profile/oom_rank<R>.pickle``
 before it exits. Recording costs every allocation a stack walk (a few microseconds): the
 history is on for the whole run only when asked. Each such rank also writes
@@ -91,9 +93,9 @@ class StepProfiler:
         self._started_at = _NEVER
         self.history = False  # the CUDA allocator's history is being recorded
         if cfg.memory and self.cuda:
-            import torch
+            from train.torch_compat import record_memory_history
 
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES, stacks="python")
+            record_memory_history(max_entries=MEMORY_ENTRIES)
             self.history = True
 
     def begin_at(self, first: int) -> None:
@@ -156,9 +158,9 @@ class StepProfiler:
             info = {"rank": self.rank, "step": self.step, "where": where, "time": time.time(), "cuda": self.cuda,
                     "error": f"{type(exc).__name__}: {str(exc)[:500]}", "snapshot": None}
             if self.history:
-                import torch
+                from train.torch_compat import dump_memory_snapshot
 
-                torch.cuda.memory._dump_snapshot(str(folder / f"oom_rank{self.rank}.pickle"))
+                dump_memory_snapshot(str(folder / f"oom_rank{self.rank}.pickle"))
                 info["snapshot"] = f"oom_rank{self.rank}.pickle"
             else:
                 info["why"] = "no CUDA on this rank: the allocator's history (the .pickle snapshot) is CUDA's alone"
@@ -199,9 +201,9 @@ class StepProfiler:
         os.replace(tmp, path)  # a reader never sees half a trace
         written = [path.name]
         if self.history:
-            import torch
+            from train.torch_compat import dump_memory_snapshot
 
-            torch.cuda.memory._dump_snapshot(str(folder / f"rank{self.rank}_memory.pickle"))
+            dump_memory_snapshot(str(folder / f"rank{self.rank}_memory.pickle"))
             written.append(f"rank{self.rank}_memory.pickle")
         self.log(f"profile: steps {first}-{last} on rank {self.rank}: {PROFILE}/step_{first}/"
                  f"{' and '.join(written)} ({time.perf_counter() - t0:.2f} s to write)")

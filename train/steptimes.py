@@ -1,4 +1,5 @@
-"""Where each step's time goes, on every rank, and which rank is slow (issue 32 items 1-2).
+"""Where each step's time goes, on every rank, and which rank is slow (with the profiler of
+train/profiling.py and the stacks on demand, one of the ways to see inside a run).
 
 Each rank times its step in four parts, cheaply (a few ``perf_counter`` calls; on CUDA
 three events whose times are read after the step's own sync):

@@ -1,4 +1,5 @@
-"""The torch releases this project runs on, and its uses of torch that depend on the release.
+"""The torch releases this project runs on, and its uses of torch (and DeepSpeed) that depend on
+the release: the compute side's one fence for private third-party names.
 
 **Range.** :data:`FLOOR` (2.11, what the lent GPU machines and recent NGC images carry) is
 the lowest release tested: ``make test-torch-floor`` runs the multi-rank strategy,
@@ -39,8 +40,27 @@ through :func:`torch_save_without_crc`, which keeps torch.save's CRC where a rel
   link against, unquoted: :func:`link_path_without_spaces` repoints it under a path with
   a space (DeepSpeed's CPU communication op, train/strategies/deepspeed.py).
 
-Left where it is (another file's work): ``torch._foreach_copy_`` in
-train/checkpoint/async_save.py (a private op of the ``_foreach`` family, the same in both).
+**Private torch and DeepSpeed, one small function each** (at the end of this module; why, and the
+releases read, in each docstring: 2.13, this project's CPU build, and 2.11 where it says):
+
+- ``torch._foreach_copy_`` and ``DTensor(local, spec)`` with a DTensor's ``_spec``
+  (train/checkpoint/async_save.py's snapshot): :func:`foreach_copy`, :func:`host_dtensor`.
+- ``torch.cuda.memory``'s ``_set_allocator_settings`` (train/harness/dist.py),
+  ``_record_memory_history`` and ``_dump_snapshot`` (train/profiling.py):
+  :func:`set_allocator_settings`, :func:`record_memory_history`, :func:`dump_memory_snapshot`.
+- ``torch._C._distributed_c10d._dump_nccl_trace`` (train/harness/watchdog.py): :func:`nccl_trace`.
+- ``distributed_c10d._world.pg_map`` (train/harness/groups.py): :func:`live_process_groups`.
+- ``torch._dynamo``, imported ahead of the fork (train/main.py): :func:`import_dynamo`.
+- ``torch.testing._internal.distributed.fake_pg`` (tests and bench only):
+  :func:`fake_process_group`.
+- DeepSpeed's ``zero.Init._zero_init_param`` and ``_convert_to_deepspeed_param`` (DeepSpeed
+  0.19.8): :func:`zero_init_without_broadcast`, for train/strategies/deepspeed.py's
+  ``partitioned_build``, which still holds its own copy until it calls this.
+
+These are the compute side's only uses of private names of torch, DeepSpeed, Hydra,
+omegaconf, submitit or transformers: tests/test_structure.py refuses one anywhere else
+(the login side's are in launcher/compat.py, submitit's in slurm/submitit_adapter.py;
+that test's docstring says what it cannot see).
 """
 from __future__ import annotations
 
@@ -232,3 +252,129 @@ def refuse_compiled_tp_checkpointing(compiled: bool, tensor_parallel: bool, chec
         f"checkpointing fails in its AOTAutograd from {_text(COMPILED_TP_AC_FAILS)} on (a checkpointed TP block's "
         f"saved values hold a DeviceMesh; {_text(FLOOR)} runs it): set strategy.activation_checkpointing=none or "
         f"strategy.compile=false, or use torch {_text(FLOOR)}")
+
+
+# ---- private torch and DeepSpeed, one function each ----------------------------------------
+
+def foreach_copy(dsts, srcs, non_blocking: bool = False) -> None:
+    """``torch._foreach_copy_(dsts, srcs)``: every ``dst.copy_(src)`` of two lists in one op
+    that runs without the GIL (the async checkpoint's snapshot, on the checkpoint thread,
+    so the training thread is not held up). No public equivalent: a Python loop of
+    ``Tensor.copy_`` holds the GIL between copies. Read on 2.13; the floor's tests run it on
+    2.11 (tests/test_checkpoint_snapshot.py). A release without it gets that loop (the
+    same copies)."""
+    copy = getattr(torch, "_foreach_copy_", None)
+    if copy is not None:
+        copy(dsts, srcs, non_blocking=non_blocking)
+        return
+    for dst, src in zip(dsts, srcs):
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+def host_dtensor(local: torch.Tensor, like) -> torch.Tensor:
+    """A DTensor whose shard is ``local`` (a host copy of DTensor ``like``'s shard) with
+    ``like``'s sharding spec (mesh, placements, global shape and strides): the constructor
+    ``DTensor(local, like._spec, requires_grad=False)``, "not a public API" says its
+    docstring (2.13). The public ``DTensor.from_local`` moves ``local`` to the mesh's
+    device (a GPU), where the snapshot must stay on the host. Read on 2.13; the floor's
+    tests run it on 2.11 (tests/test_checkpoint_snapshot.py)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
+
+
+def set_allocator_settings(conf: str) -> None:
+    """``torch.cuda.memory._set_allocator_settings(conf)``: the caching allocator's
+    ``PYTORCH_ALLOC_CONF`` applied now. The public way is the variable itself, which torch
+    reads once, at its first CUDA allocation or earlier (an import that touched CUDA): a
+    value set after that would be ignored. Read on 2.13."""
+    torch.cuda.memory._set_allocator_settings(conf)
+
+
+def record_memory_history(max_entries: int) -> None:
+    """``torch.cuda.memory._record_memory_history(max_entries=..., stacks="python")``: the
+    CUDA caching allocator's history, its last ``max_entries`` events with Python stacks.
+    torch's own memory guide (https://pytorch.org/docs/stable/torch_cuda_memory.html)
+    documents it under this name: there is no public one (read on 2.13)."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+
+
+def stop_memory_history() -> None:
+    """Stop :func:`record_memory_history`'s recording (``enabled=None``, as torch's memory
+    guide says)."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """``torch.cuda.memory._dump_snapshot(path)``: the recorded history pickled to ``path``,
+    for https://pytorch.org/memory_viz. Public ``torch.cuda.memory_snapshot()`` has the
+    segments but not the history's trace, nor the file memory_viz reads (read on 2.13)."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
+def nccl_trace() -> Optional[bytes]:
+    """NCCL's flight recorder now (pickled: its last collectives, with stacks), from
+    ``torch._C._distributed_c10d._dump_nccl_trace``; None where the build has none. The
+    public way (``TORCH_NCCL_DUMP_ON_TIMEOUT``) writes only when NCCL's own watchdog fires,
+    not when ours does. The binding is in torch's CUDA builds only: the CPU build of 2.13
+    here has none (only the generic ``_dump_fr_trace``), hence the None."""
+    c10d = getattr(getattr(torch, "_C", None), "_distributed_c10d", None)
+    dump = getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None:
+        return None
+    return bytes(dump(includeCollectives=True, includeStackTraces=True, onlyActive=False))
+
+
+def live_process_groups() -> list:
+    """Every process group alive now (``distributed_c10d._world.pg_map``'s keys, the
+    default group among them); [] where that registry is not there. No public list of
+    them: ``destroy_process_group()`` with no argument destroys these (read on 2.13)."""
+    from torch.distributed import distributed_c10d
+
+    return list(getattr(getattr(distributed_c10d, "_world", None), "pg_map", {}))
+
+
+def import_dynamo() -> None:
+    """Import ``torch._dynamo`` (the optimizer's constructor does, ~1 s), so that a process
+    that forks ranks imports it once. Public ``torch.compiler`` imports it lazily, so no
+    public import does it (read on 2.13)."""
+    import torch._dynamo  # noqa: F401
+
+
+def fake_process_group(rank: int, world_size: int) -> None:
+    """Join a fresh ``fake`` process group as ``rank`` of ``world_size`` (any group before
+    it destroyed): every collective answered locally, so one process plays one rank of a
+    large job (tests and bench only). The backend and its store are in torch's own test
+    support, ``torch.testing._internal.distributed.fake_pg``, which registers "fake" when
+    imported; no public fake backend exists (read on 2.13)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def zero_init_without_broadcast(config):
+    """``deepspeed.zero.Init(config_dict_or_path=config)`` without its broadcast of every new
+    parameter from rank 0: its private ``_zero_init_param`` (which broadcasts, so that the
+    ranks' random module inits agree, writing the whole parameter on every rank) replaced
+    by its two other steps, ``_convert_to_deepspeed_param`` and ``param.partition()``. Each
+    rank fills its own partition afterwards (train/strategies/deepspeed.py
+    ``fill_partitioned``), so the whole parameter is never resident. DeepSpeed has no
+    public switch for it. Read on DeepSpeed 0.19.8; both methods are checked to exist, so
+    an upgrade that renames them fails here, naming the version."""
+    import deepspeed
+
+    base = deepspeed.zero.Init
+    if not all(callable(getattr(base, m, None)) for m in ("_zero_init_param", "_convert_to_deepspeed_param")):
+        raise RuntimeError(f"deepspeed {deepspeed.__version__}: zero.Init has no _zero_init_param / "
+                           "_convert_to_deepspeed_param; train/torch_compat.py zero_init_without_broadcast "
+                           "needs updating")
+
+    class NoBroadcastInit(base):
+        def _zero_init_param(self, param):
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+    return NoBroadcastInit(config_dict_or_path=config)

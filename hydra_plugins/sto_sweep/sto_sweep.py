@@ -20,11 +20,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
+
+from launcher.compat import basic_sweeper
+
+BasicSweeper = basic_sweeper()  # Hydra's, private to it: launcher/compat.py says why
 
 
 class StoLauncher(Launcher):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from train.checkpoint.state import AppState
 from train.harness.faults import Faults
+from train.torch_compat import foreach_copy, host_dtensor
 
 
 class Snapshot:
@@ -57,12 +58,12 @@ class Snapshot:
         out = self._snap((), state, copies)
         for device, (dsts, srcs) in copies.items():
             if device.type == "cpu":
-                torch._foreach_copy_(dsts, srcs)
+                foreach_copy(dsts, srcs)
             else:  # on a side stream, so that it overlaps the training thread's kernels
                 stream = torch.cuda.Stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
-                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                    foreach_copy(dsts, srcs, non_blocking=True)
                 stream.synchronize()
         return out
 
@@ -76,9 +77,8 @@ class Snapshot:
             items = [self._snap(key + (i,), v, copies) for i, v in enumerate(value)]
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuple
         if isinstance(value, DTensor):
-            # The host copy of the shard, with the same sharding spec. Not from_local: it
-            # would move the copy back to the mesh's device (a GPU).
-            return DTensor(self._snap(key, value.to_local(), copies), value._spec, requires_grad=False)
+            # The host copy of the shard, with the same sharding spec (kept on the host)
+            return host_dtensor(self._snap(key, value.to_local(), copies), value)
         if isinstance(value, torch.Tensor):
             buf = self._buffer(key, value)
             dsts, srcs = copies.setdefault(value.device, ([], []))

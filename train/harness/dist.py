@@ -31,7 +31,7 @@ from spec.device import DeviceError, device_index, no_cuda_line
 from spec.identity import TaskIdentity
 from spec.rundir import NO_CUDA
 from train.metrics import allocator_env_defaults
-from train.torch_compat import require_supported_torch
+from train.torch_compat import require_supported_torch, set_allocator_settings
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def init_distributed(timeout_s: int = 600, trace_dir: Optional[Path] = None, acc
     info = task_identity()
     device = pick_device(accelerator, gpu_binding, info.local_rank, info.local_world_size)
     if allocator and device.type == "cuda":  # also when torch read the variable before it was set
-        torch.cuda.memory._set_allocator_settings(allocator["PYTORCH_ALLOC_CONF"])
+        set_allocator_settings(allocator["PYTORCH_ALLOC_CONF"])
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
         nccl_env_defaults(trace_dir)

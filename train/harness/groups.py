@@ -73,8 +73,9 @@ def _wrap() -> None:
     @functools.wraps(original)
     def destroy_process_group(group=None):
         if dist.is_initialized():
-            world = getattr(getattr(c10d, "_world", None), "pg_map", {})
-            KEPT.extend(list(world) if group is None else [group])
+            from train.torch_compat import live_process_groups  # torch is whole by now
+
+            KEPT.extend(live_process_groups() if group is None else [group])
         return original(group)
 
     destroy_process_group.keeps_groups = True  # type: ignore[attr-defined]

@@ -138,11 +138,12 @@ def dump_nccl_trace(path: Path) -> Optional[str]:
 
         if not dist.is_initialized() or "nccl" not in str(dist.get_backend()):
             return None
-        dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
-        if dump is None:
+        from train.torch_compat import nccl_trace
+
+        payload = nccl_trace()
+        if payload is None:
             return None
-        payload = dump(includeCollectives=True, includeStackTraces=True, onlyActive=False)
-        path.write_bytes(bytes(payload))
+        path.write_bytes(payload)
         return str(path)
     except Exception:  # noqa: BLE001 - best effort
         return None
