@@ -1,5 +1,6 @@
-"""The checkpoint backend (train.checkpoint.backend): chosen by the run's engine, not by
-asking the engine; what each answers; and the fault seam inside a save. One rank in this
+"""The checkpoint backend (train.checkpoint.backend): chosen by the run's engine (its shape),
+and the format every engine names is the one its run's backend writes; no engine has a
+method it must refuse; what each backend answers; and the fault seam inside a save. One rank in this
 process (a 1-rank gloo group); the multi-rank saves and resumes of every strategy:
 tests/test_checkpoint.py, tests/test_resume_strategies.py, tests/test_reshard.py."""
 from __future__ import annotations
@@ -25,6 +26,42 @@ ZERO2_DP2 = {"engine": "deepspeed", "zero_stage": 2, "dp": 2, "world_size": 2}
 def test_the_backend_is_chosen_by_the_runs_engine(tmp_path, shape, kind):
     assert isinstance(backend_for(shape, 0), kind)
     assert isinstance(Checkpointer(tmp_path, 0, shape=shape).backend, kind)
+
+
+def _engines():
+    """(engine of the run's shape, the engine class its builder returns) for every builder,
+    pipeline parallel's included (spec.support.BUILDERS, the builders' return annotations)."""
+    import importlib
+    import typing
+
+    from spec.support import BUILDERS
+
+    paths = {**{key: path for key, path in BUILDERS.items()},
+             ("torch", "pp"): "train.strategies.pp:PipelineBuilder"}
+    for (engine, _), path in sorted(paths.items()):
+        module, name = path.split(":")
+        builder = getattr(importlib.import_module(module), name)
+        yield engine, typing.get_type_hints(builder.finish)["return"]
+
+
+def test_every_engine_names_its_runs_backend_and_has_only_its_capability():
+    from train.strategies import base
+
+    own = {"dcp": base.DCPEngine, "deepspeed": base.NativeEngine}
+    capability = {kind: set(vars(proto)) - set(vars(base.Engine)) - set(vars(object))
+                  for kind, proto in own.items()}
+    assert capability["dcp"] >= {"state_dict", "load_state_dict"}
+    assert capability["deepspeed"] >= {"save_native", "load_native"}
+    seen = set()
+    for engine, cls in _engines():
+        seen.add(cls.__name__)
+        kind = cls.checkpoint_format
+        assert kind == backend_for({"engine": engine}, 0).format, (cls, engine)
+        assert all(callable(getattr(cls, name, None)) for name in capability[kind] if not name.startswith("_"))
+        others = {name for k, names in capability.items() if k != kind for name in names if not name.startswith("_")}
+        assert not any(hasattr(cls, name) for name in others), f"{cls.__name__} has another backend's methods"
+    assert seen == {"TorchEngine", "PipelineEngine", "DeepSpeedEngine"}
+    assert DCPBackend.format == "dcp" and DeepSpeedBackend.format == "deepspeed"
 
 
 def test_what_each_backend_answers():
@@ -93,8 +130,10 @@ def test_async_save_asks_the_seam_before_snapshot_and_write(tmp_path, one_rank, 
 
 
 class NativeEngine:
-    """The engine protocol's DeepSpeed side, without DeepSpeed (and without anything that
-    says what it is: the backend comes from the run's shape)."""
+    """An engine of the protocol's native capability (train.strategies.base.NativeEngine),
+    without DeepSpeed; the backend still comes from the run's shape."""
+
+    checkpoint_format = "deepspeed"
 
     def __init__(self) -> None:
         self.loaded = None

@@ -1,4 +1,4 @@
-"""DeepSpeed's checkpoint files summed by the rank that writes them (issue 43 item 5), on 2
+"""DeepSpeed's checkpoint files summed by the rank that writes them, on 2
 gloo ranks forked warm (tests/warm.py), each building its engine as the trainer does:
 
 - a save reads no checkpoint file back: every rank's DeepSpeed files are summed as they

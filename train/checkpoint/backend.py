@@ -3,7 +3,14 @@
 The :class:`~train.checkpoint.manager.Checkpointer` does everything else the same way for
 both (temporary directory, extra state, checksums, manifest, commit, verification,
 pruning) and holds one backend, chosen once by the run's engine (:func:`backend_for`:
-the ``engine`` of the run's shape, :func:`spec.rundir.run_shape`). A backend answers:
+the ``engine`` of the run's shape, :func:`spec.rundir.run_shape`). That is the one way a
+backend is chosen: the checkpointer exists, and DeepSpeed's backend plans the load
+(``plan_load``), before the engine is built, and each manifest records the shape that
+saved it. Each backend saves engines of one capability of the engine protocol
+(:mod:`train.strategies.base`), named by its ``format``, which is the engine's
+``checkpoint_format`` and the checkpoint's subdirectory: :class:`DCPBackend` "dcp"
+(:class:`~train.strategies.base.DCPEngine`), :class:`.deepspeed_io.DeepSpeedBackend`
+"deepspeed" (:class:`~train.strategies.base.NativeEngine`). A backend answers:
 
 - ``save``: this rank's files of the engine's state (collective), or, given the
   checkpoint thread (:class:`.async_save.AsyncSaver`), the future of their write;
@@ -19,7 +26,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Protocol
 
 import torch.distributed as dist
 
@@ -30,8 +37,12 @@ from train.checkpoint.deepspeed_io import DeepSpeedBackend
 from train.checkpoint.manifest import DCP_FILE, CorruptCheckpoint, Sums, manifest_files, share
 from train.checkpoint.state import AppState
 
+if TYPE_CHECKING:
+    from train.strategies.base import DCPEngine
+
 
 class Backend(Protocol):
+    format: str  # the checkpoint_format of the engines it saves, the checkpoint's subdirectory
     saves_async: bool
     loads_in_place: bool
 
@@ -61,10 +72,11 @@ class DCPBackend:
     :mod:`.dcp_reader`), so the disk is read once on either side."""
 
     rank: int
+    format: ClassVar[str] = SUBDIR  # "dcp": train.strategies.base.DCPEngine
     saves_async: ClassVar[bool] = True
     loads_in_place: ClassVar[bool] = True  # DCP reads into the engine's tensors as it verifies
 
-    def save(self, engine, tmp: Path, side: Path, sums: Sums, saver: Optional[AsyncSaver] = None
+    def save(self, engine: DCPEngine, tmp: Path, side: Path, sums: Sums, saver: Optional[AsyncSaver] = None
              ) -> Optional[Future]:
         writer = summing_writer()(tmp, side, sums)  # into tmp/dcp
         if saver is not None:
@@ -81,7 +93,7 @@ class DCPBackend:
     def plan_load(self, saved: Optional[Mapping[str, Any]]) -> bool:
         return False  # DCP reshards by itself
 
-    def load(self, engine, ckpt: Path) -> Optional[str]:
+    def load(self, engine: DCPEngine, ckpt: Path) -> Optional[str]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -102,7 +114,8 @@ class DCPBackend:
 
 def backend_for(shape: Mapping[str, Any], rank: int) -> Backend:
     """The backend of a run of ``shape`` (:func:`spec.rundir.run_shape`): DeepSpeed's own files
-    for ``engine: deepspeed``, else DCP (also when the shape is not given)."""
+    for ``engine: deepspeed``, else DCP (also when the shape is not given). Its ``format``
+    is the ``checkpoint_format`` of the engine the run builds."""
     if shape.get("engine") == "deepspeed":
         return DeepSpeedBackend(rank, shape)
     return DCPBackend(rank)

@@ -1,5 +1,5 @@
-"""DeepSpeed's own checkpoint files, through the engine protocol
-(:class:`train.strategies.base.Engine`: ``save_native``, ``load_native``): the
+"""DeepSpeed's own checkpoint files, through the engine protocol's native capability
+(:class:`train.strategies.base.NativeEngine`: ``save_native``, ``load_native``): the
 checkpoint backend of DeepSpeed runs (:class:`DeepSpeedBackend`).
 
 DeepSpeed writes every model and optimizer file through its engine's checkpoint engine
@@ -33,7 +33,7 @@ from argparse import Namespace
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ import torch.distributed as dist
 from spec.rundir import needs_universal
 from train.checkpoint.dcp_writer import _SummingStream
 from train.checkpoint.manifest import Sums, crc32, fsync_path, saved_shape
+
+if TYPE_CHECKING:
+    from train.strategies.base import NativeEngine
 
 SUBDIR = "deepspeed"
 TAG = "state"  # the tag DeepSpeedEngine.save_native / load_native use
@@ -57,10 +60,11 @@ class DeepSpeedBackend:
     rank: int
     shape: Mapping[str, Any] = field(default_factory=dict)  # this run's (spec.rundir.run_shape)
     universal: bool = False  # the engine was built to load the universal format (plan_load)
+    format: ClassVar[str] = SUBDIR  # "deepspeed": train.strategies.base.NativeEngine
     saves_async: ClassVar[bool] = False
     loads_in_place: ClassVar[bool] = False  # verified before: a rejected load read nothing
 
-    def save(self, engine, tmp: Path, side: Path, sums: Sums, saver=None) -> None:
+    def save(self, engine: NativeEngine, tmp: Path, side: Path, sums: Sums, saver=None) -> None:
         """The engine's files under ``tmp``, fsynced; ``sums`` and the entries of the files
         this rank wrote (summed as written: ``save_native``'s answer) left in ``side`` for
         the manifest. Collective. (No ``saver``: never async.)"""
@@ -77,7 +81,7 @@ class DeepSpeedBackend:
         self.universal = needs_universal(saved, self.shape)
         return self.universal
 
-    def load(self, engine, ckpt: Path) -> Optional[str]:
+    def load(self, engine: NativeEngine, ckpt: Path) -> Optional[str]:
         """DeepSpeed's files of ``ckpt``, converted to the universal format first when it
         was saved at another shape (rank 0 converts; collective)."""
         universal = needs_universal(saved_shape(ckpt), self.shape)
@@ -210,7 +214,7 @@ def _fsync_written(path: Path) -> None:
         os.close(fd)
 
 
-def load(engine, ckpt: Path, universal: bool = False) -> None:
+def load(engine: NativeEngine, ckpt: Path, universal: bool = False) -> None:
     """Read the engine's files of a checkpoint verified beforehand (``universal``: its
     conversion, made by :func:`to_universal`). Collective.
 

@@ -1,7 +1,7 @@
 """What a checkpoint holds besides the files an engine writes itself: the Stateful pieces.
 
 - model + optimizer: :class:`AppState`, DCP's Stateful over an engine
-  (:class:`train.strategies.base.Engine`: ``state_dict`` / ``load_state_dict``);
+  (:class:`train.strategies.base.DCPEngine`: ``state_dict`` / ``load_state_dict``);
 - step, data-loader position and RNG states: one ``extra_rank{R}.pt`` per rank
   (:func:`write_extra` / :func:`load_extra`).
 """

@@ -13,17 +13,24 @@ runs them in order):
    parameters when constructed), ``deepspeed.initialize`` (it takes the optimizer), the
    optimizers, pipeline stages and schedule. It returns the :class:`Engine`.
 
-:class:`Engine` is all a caller may ask: no caller asks an engine what it is
-(``hasattr``). Torch engines checkpoint through torch.distributed.checkpoint
-(``state_dict`` / ``load_state_dict``); DeepSpeed's writes and reads its own files
-(``save_native`` / ``load_native``). The checkpoint backend is chosen by the run's engine
-(:func:`train.checkpoint.backend.backend_for`), not by asking the engine.
+:class:`Engine` is all the trainer may ask: no caller asks an engine what it is
+(``hasattr``). How it is saved is a capability of its own, named by the engine's
+``checkpoint_format`` (the subdirectory of a checkpoint its state goes to) and spoken by
+that format's backend: torch engines are :class:`DCPEngine` (``state_dict`` /
+``load_state_dict``, saved through torch.distributed.checkpoint by
+:class:`train.checkpoint.backend.DCPBackend`), DeepSpeed's is :class:`NativeEngine`
+(``save_native`` / ``load_native``: it writes and reads its own files,
+:class:`train.checkpoint.deepspeed_io.DeepSpeedBackend`). No engine has a method it must
+refuse. The backend is chosen once, before the engine is built, by the run's shape
+(:func:`train.checkpoint.backend.backend_for`: ``engine`` of :func:`spec.rundir.run_shape`,
+which each checkpoint's manifest records too); tests/test_checkpoint_backend.py checks
+that every engine's ``checkpoint_format`` is its backend's.
 """
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
@@ -85,11 +92,16 @@ def matmul_precision(cfg: RunConfig, device: torch.device) -> str:
 
 
 class Engine(Protocol):
+    """What the trainer asks of every engine: a step, an evaluation, the memory report."""
+
     #: This rank's model parts (one module; with pipeline parallel, one per stage held).
     model_parts: List[nn.Module]
     #: One optimizer per part (DeepSpeed: its own wrapper of the client optimizer).
     optimizers: List[Any]
     device: torch.device
+    #: The checkpoint format, i.e. backend, that saves this engine: "dcp" (a :class:`DCPEngine`)
+    #: or "deepspeed" (a :class:`NativeEngine`); the checkpoint's subdirectory of the same name.
+    checkpoint_format: ClassVar[str]
 
     def train_step(self, micro_batches: Iterable[Batch], lr: float,
                    share: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -101,29 +113,39 @@ class Engine(Protocol):
     def eval_loss(self, micro_batches: Iterable[Batch], share: Optional[float] = None) -> torch.Tensor:
         """This rank's part of the loss (as train_step's), forward only (no gradient, no update)."""
 
-    def state_dict(self) -> Dict[str, Any]:
-        """DCP state: {"model": ..., "optim": ...} (the torch engines), both
-        keyed by the full model's parameter names, the optimizer's flattened
-        (``state.NAME.exp_avg``, ``param_groups.NAME.lr``): the same keys whatever the layout."""
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (collective); ``optim`` may lack the ``param_groups.``
-        keys (:data:`train.checkpoint.state.HYPERPARAMETERS`): the engine keeps its own then."""
-
-    def save_native(self, path: Path) -> Optional[Dict[str, List[int]]]:
-        """Write the engine's own checkpoint files under ``path`` (DeepSpeed only); the
-        [size, CRC32] of those this rank summed as it wrote them (and fsynced), by path
-        relative to ``path`` (the manifest's entries). Files it leaves out (all: None) are
-        read back and summed at the commit."""
-
-    def load_native(self, path: Path) -> None:
-        """Read what :meth:`save_native` wrote (DeepSpeed only)."""
-
     def peak_memory_bytes(self) -> int:
         """This rank's peak memory (on CUDA since the step began), the metrics' ``peak_mem_bytes``."""
 
     def peak_reserved_bytes(self) -> Optional[int]:
         """The caching allocator's peak since the step began (None off CUDA), ``peak_reserved_bytes``."""
+
+
+class DCPEngine(Engine, Protocol):
+    """A torch engine (``checkpoint_format`` "dcp"): its state in torch's own dicts, which
+    :class:`train.checkpoint.backend.DCPBackend` saves and loads through DCP."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """DCP state: {"model": ..., "optim": ...}, both keyed by the full model's parameter
+        names, the optimizer's flattened (``state.NAME.exp_avg``, ``param_groups.NAME.lr``):
+        the same keys whatever the layout."""
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict` (collective); ``optim`` may lack the ``param_groups.``
+        keys (:data:`train.checkpoint.state.HYPERPARAMETERS`): the engine keeps its own then."""
+
+
+class NativeEngine(Engine, Protocol):
+    """An engine that writes and reads its own checkpoint files (``checkpoint_format``
+    "deepspeed"), for :class:`train.checkpoint.deepspeed_io.DeepSpeedBackend`."""
+
+    def save_native(self, path: Path) -> Optional[Dict[str, List[int]]]:
+        """Write the engine's own checkpoint files under ``path`` (collective); the [size,
+        CRC32] of those this rank summed as it wrote them (and fsynced), by path relative to
+        ``path`` (the manifest's entries). Files it leaves out (all: None) are read back and
+        summed at the commit."""
+
+    def load_native(self, path: Path) -> None:
+        """Read what :meth:`save_native` wrote (collective)."""
 
 
 class EngineBuilder:
@@ -184,8 +206,10 @@ def with_own_hyperparameters(loaded: Dict[str, Any], own: Dict[str, Any]) -> Dic
 
 
 class DCPState(DeviceMemory):
-    """Model + optimizer through torch's get/set_state_dict (DDP, FSDP2, TP alike)."""
+    """The :class:`DCPEngine` side of a torch engine: model + optimizer through torch's
+    get/set_state_dict (DDP, FSDP2, TP alike)."""
 
+    checkpoint_format: ClassVar[str] = "dcp"
     module: nn.Module
     optimizer: Any
 
@@ -201,11 +225,6 @@ class DCPState(DeviceMemory):
         _, own = get_state_dict(self.module, self.optimizer, options=state_dict_options())
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=with_own_hyperparameters(state["optim"], own), options=state_dict_options())
-
-    def save_native(self, path: Path) -> None:
-        raise NotImplementedError(f"{type(self).__name__} checkpoints through DCP (state_dict)")
-
-    load_native = save_native
 
 
 class TorchEngine(DCPState):

@@ -29,7 +29,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -44,11 +44,15 @@ from train.strategies.base import (Batch, DeviceMemory, EngineBuilder, build_ada
 class DeepSpeedEngine(DeviceMemory):
     """Runs one optimizer step on a ``deepspeed.DeepSpeedEngine`` (attribute ``ds``).
 
-    ``module`` and ``optimizer`` are DeepSpeed's (checkpointing goes through
-    ``ds.save_checkpoint`` / ``ds.load_checkpoint``, which know the partitioning). The
-    memory report is the device's, as for the torch engines: with ``zero3_offload`` on
-    GPU the host-side optimizer states are not in it.
+    A :class:`train.strategies.base.NativeEngine`: ``module`` and ``optimizer`` are
+    DeepSpeed's, and its checkpoints are DeepSpeed's own files (``ds.save_checkpoint`` /
+    ``ds.load_checkpoint``, which know the partitioning), saved by
+    :class:`train.checkpoint.deepspeed_io.DeepSpeedBackend`. The memory report is the
+    device's, as for the torch engines: with ``zero3_offload`` on GPU the host-side
+    optimizer states are not in it.
     """
+
+    checkpoint_format: ClassVar[str] = "deepspeed"
 
     def __init__(self, ds, device: torch.device) -> None:
         self.ds = ds
@@ -70,11 +74,6 @@ class DeepSpeedEngine(DeviceMemory):
 
     def load_native(self, path: Path) -> None:
         self.ds.load_checkpoint(str(path), tag="state")
-
-    def state_dict(self) -> Dict[str, Any]:
-        raise NotImplementedError("DeepSpeed checkpoints through save_native (its own sharded files)")
-
-    load_state_dict = state_dict
 
     def _grad_norm(self) -> torch.Tensor:
         """Norm of the all-reduced gradients before clipping: ZeRO reports it, stage 0 does not."""
@@ -226,25 +225,13 @@ def no_initial_values():
 
 def partitioned_build(config: Dict[str, Any]):
     """``deepspeed.zero.Init`` without its broadcast of every new parameter from rank 0
-    (``Init._zero_init_param``: it makes the ranks' random module inits agree, and writes
-    the whole parameter on every rank). Here every rank fills its own partition afterwards
-    (:func:`fill_partitioned`), so the whole parameter is never written: its pages are never
-    resident, and no rank holds more than its partitions. The one use of a private
-    DeepSpeed method; it is checked to exist, so an upgrade that renames it fails here,
-    not silently."""
-    import deepspeed
+    (train.torch_compat.zero_init_without_broadcast: the fenced use of a private DeepSpeed
+    method). Every rank fills its own partition afterwards (:func:`fill_partitioned`), so
+    the whole parameter is never written: its pages are never resident, and no rank holds
+    more than its partitions."""
+    from train.torch_compat import zero_init_without_broadcast
 
-    base = deepspeed.zero.Init
-    if not all(callable(getattr(base, m, None)) for m in ("_zero_init_param", "_convert_to_deepspeed_param")):
-        raise RuntimeError(f"deepspeed {deepspeed.__version__}: zero.Init has no _zero_init_param / "
-                           "_convert_to_deepspeed_param; train/strategies/deepspeed.py partitioned_build needs updating")
-
-    class NoBroadcastInit(base):
-        def _zero_init_param(self, param):
-            self._convert_to_deepspeed_param(param)
-            param.partition()
-
-    return NoBroadcastInit(config_dict_or_path=config)
+    return zero_init_without_broadcast(config)
 
 
 @torch.no_grad()
