@@ -1,4 +1,8 @@
 # The two commands of the README:  make demo  |  make test
+# `make demo` needs Python only: `setup` creates .venv and installs nothing else. The system
+# packages (Debian's Slurm, munge and MariaDB for the local cluster; g++ for DeepSpeed's CPU
+# extension) are installed, when missing, by the targets that need them (install-deps.sh:
+# as root or with sudo; else it prints the apt-get command and that target stops).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -8,11 +12,12 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 .PHONY: setup demo test test-fast cluster-up cluster-down cluster-status cluster-env bench clean
 
-## setup: Debian's Slurm packages (when missing) + .venv with the project (idempotent)
+DEPS := bash slurm/cluster/install-deps.sh
+
+## setup: .venv with the project (idempotent; no system packages)
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints-cpu.txt slurm/cluster/install-deps.sh
-	bash slurm/cluster/install-deps.sh
+$(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip >/dev/null
 	$(BIN)/python -m pip install -q -c constraints-cpu.txt --config-settings editable_mode=compat -e '.[dev]'
@@ -24,14 +29,17 @@ demo: setup
 
 ## test: the whole suite, with the real local Slurm cluster started for it (tests/run_suite.sh:
 ## five pytest processes: the tests without Slurm in two runs, beside the Slurm tests in two
-## runs on a node pair each, then the tests that need the whole cluster).
+## runs on a node pair each, then the tests that need the whole cluster). Installs the Slurm
+## packages and g++ first when they are missing.
 test: setup
+	$(DEPS) slurm build
 	bash slurm/cluster/up.sh
 	status=0; PYTHON=$(BIN)/python bash tests/run_suite.sh $(PYTEST_ARGS) || status=$$?; \
 	  bash slurm/cluster/down.sh || true; exit $$status
 
-## test-fast: the tests that need no Slurm cluster
+## test-fast: the tests that need no Slurm cluster (g++ installed first when missing)
 test-fast: setup
+	$(DEPS) build
 	$(BIN)/python -m pytest -m "not slurm" $(PYTEST_ARGS)
 
 ## test-gpu: the tests marked `gpu`, with CUDA kept visible (STO_TEST_GPU=1; every other
@@ -63,6 +71,7 @@ FLOOR_TESTS := tests/test_torch_compat.py tests/test_checkpoint_reader.py tests/
   'tests/test_hf.py::test_trained_export_loads_in_transformers_with_our_logits[fsdp]'
 .PHONY: test-torch-floor
 test-torch-floor: $(FLOOR_STAMP)
+	$(DEPS) build
 	CUDA_VISIBLE_DEVICES= TORCH_EXTENSIONS_DIR=$(CURDIR)/.cache/torch_extensions_floor \
 	  $(FLOOR_VENV)/bin/python -m pytest -m "not slurm" -p no:cacheprovider $(FLOOR_TESTS) $(PYTEST_ARGS)
 
@@ -74,7 +83,9 @@ $(FLOOR_STAMP): pyproject.toml constraints-floor.txt
 	  assert torch_version() == FLOOR, f'{torch.__version__} installed, floor {FLOOR}'"
 	touch $@
 
+## cluster-up: start the local Slurm cluster (its packages installed first when missing)
 cluster-up: setup
+	$(DEPS) slurm
 	bash slurm/cluster/up.sh
 
 cluster-down:
