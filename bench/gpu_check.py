@@ -38,7 +38,7 @@ slot still leaves what it did. Rows (one GPU is enough):
   the first five, from metrics.jsonl;
 - ``speed/torchtitan``: torchtitan's own trainer on the same model, batch, sequence and
   compile (bench/torchtitan_speed.py), its MFU by our FLOP formula, and ddp+compile's
-  tokens/s over torchtitan's (issue 31 item 7: >= 1.0).
+  tokens/s over torchtitan's (the goal: >= 1.0).
 
 With ``--dry`` no row runs: each launch row's command is checked by the launcher's own
 dry run (compose, layout, memory gate) and each check row's code is compiled, so the
@@ -289,7 +289,7 @@ def steady_rows(run_dir: Path) -> list:
 
 def beside_torchtitan(row: Row) -> str:
     """torchtitan's median tokens/s, MFU (our FLOP formula) and peak, and speed/ddp+compile's
-    tokens/s over it (issue 31's criterion: >= 1.0), when that row ran in this scratch."""
+    tokens/s over it (the goal: >= 1.0), when that row ran in this scratch."""
     from statistics import median
 
     titan = json.loads((row.run_dir / "torchtitan.json").read_text())

@@ -6,8 +6,8 @@ a small Llama with the project's own code (train.parallelize: the builders the j
 use), take two optimizer steps, and measure:
 
 - model states: unique storages of every live tensor right after the optimizer's step
-  and, with gradient accumulation, at the start of every forward (a gc census, as
-  DESIGN.md advises: RSS overstates sharded strategies), minus what lived before the
+  and, with gradient accumulation, at the start of every forward (a gc census: RSS
+  overstates sharded strategies, glibc keeping what they free), minus what lived before the
   model was built and the logits the loop still holds. Predicted: params + grads +
   optimizer (+ host memory) of launcher.memory.estimate;
 - activations: the distinct storages autograd saves for backward in one micro-step

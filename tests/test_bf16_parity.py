@@ -1,4 +1,4 @@
-"""One maths for every engine (issue 31 item 2): in bf16, DDP (autocast over fp32
+"""One maths for every engine: in bf16, DDP (autocast over fp32
 weights), FSDP (bf16 parameters, fp32 shards and gradient reduction) and DeepSpeed ZeRO-2
 and ZeRO-3 (bf16 parameters, fp32 master partition, gradients reduced in fp32 by
 ``communication_data_type``) train the same 2-rank run to the same losses within bf16's

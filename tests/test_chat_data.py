@@ -1,4 +1,4 @@
-"""Chat data (issue 33 item 1): ``train.data.prepare --chat`` and ``data.source=chat``.
+"""Chat data: ``train.data.prepare --chat`` and ``data.source=chat``.
 
 - the rendering equals transformers' ``apply_chat_template(tokenize=False)``; the tokens
   and the assistant mask equal its ``return_assistant_tokens_mask=True`` (a template with

@@ -1,4 +1,4 @@
-"""Issue 33's acceptance on the real local cluster: the chat SFT of a tiny Qwen2 saved by
+"""Chat fine-tuning end to end on the real local cluster: the chat SFT of a tiny Qwen2 saved by
 ``transformers`` (q/k/v biases; embeddings tied, as Qwen2.5's small models are), on chat
 data prepared with the Qwen fixture's own template (the loss on the assistant turns only),
 across 2 nodes under FSDP and under ZeRO-3. Each run is preempted once by the high

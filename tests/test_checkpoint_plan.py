@@ -1,4 +1,4 @@
-"""Checkpoints sized to the filesystem and the failure rate (issue 43; launcher/plan/checkpoints.py,
+"""Checkpoints sized to the filesystem and the failure rate (launcher/plan/checkpoints.py,
 train/checkpoint/policy.py, the watchdog's save bound). Pure or in-process: no job starts."""
 from __future__ import annotations
 

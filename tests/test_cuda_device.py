@@ -1,4 +1,4 @@
-"""Each task's device on a GPU cluster (issue 28, items 1-3 and 7): CUDA found or refused
+"""Each task's device on a GPU cluster: CUDA found or refused
 at start, the device by ``cluster.gpu_binding``, DeepSpeed and the checkpoint thread on
 the harness's device, users' code told which device is theirs, and the suite's own
 CUDA hiding. CUDA is mocked where this machine has none; the tests marked ``gpu`` run

@@ -1,4 +1,4 @@
-"""Frozen code per run, end to end on the local Slurm cluster (issue 30 item 4).
+"""Frozen code per run, end to end on the local Slurm cluster.
 
 In a temporary clone of this repository (never the checkout the suite runs from), the
 trainer's ``train/job.py`` gets a marker: every segment appends "MARK RESTART_COUNT" to

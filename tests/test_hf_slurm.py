@@ -1,4 +1,4 @@
-"""Issue 20's whole path on the real local cluster: a tiny Llama saved by ``transformers``
+"""Hugging Face weights in and out, end to end on the real local cluster: a tiny Llama saved by ``transformers``
 is imported, fine-tuned with FSDP across 2 nodes on text prepared with a tokenizer,
 preempted once by the high partition, requeued and finished; its validation loss
 falls; TensorBoard's log (read back with TensorBoard's reader) and W&B's offline run

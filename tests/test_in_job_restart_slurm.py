@@ -117,7 +117,7 @@ def test_a_users_script_is_restarted_inside_the_job(tmp_path, slurm_cluster):
 
 
 def test_a_slow_save_is_not_a_hang_and_a_stuck_writer_is_named(tmp_path, slurm_cluster, reference):
-    """A save is progress, not a hang (issue 43): with cluster.hang_timeout_s=10 the save of
+    """A save is progress, not a hang: with cluster.hang_timeout_s=10 the save of
     step 3 takes 15 s (fault.slow_save_s on every rank, after the files are written) and
     is not called a hang, since a save is bounded by checkpoint.save_timeout_s (20 s here:
     2 x the hang timeout, the filesystem being unknown); the save of step 6 never returns

@@ -1,4 +1,4 @@
-"""A sweep's concurrency cap, ``launcher.max_parallel=K`` (issue 32 item 6): Slurm holds it
+"""A sweep's concurrency cap, ``launcher.max_parallel=K``: Slurm holds it
 after the launcher exits (``--array=...%K`` and ``--dependency=afterany``); the dry run
 shows it; the chains of launcher/sweep.py's ``capped`` never let more than K points run,
 in a simulation of Slurm's rules and on the local cluster."""

@@ -5,7 +5,7 @@ one fp32 AdamW step. Model states are counted as live tensors (distinct storages
 every tensor the garbage collector can see, DTensors by their local shard) at the end
 of the optimizer's step, when parameters, gradients and both Adam moments all exist,
 minus what lived before the model was built. RSS would overstate sharded strategies
-(glibc keeps freed memory; DESIGN.md). The batch is one short sequence, so logits and
+(glibc keeps the memory a sharded strategy frees). The batch is one short sequence, so logits and
 inputs are < 0.5% of the states.
 
 Per parameter, fp32 Adam: 4 (param) + 4 (grad) + 8 (two moments) = 16 B, sharded as

@@ -1,4 +1,4 @@
-"""Memory figures users can act on (issue 31 item 5): each metrics row's memory is its own
+"""Memory figures users can act on: each metrics row's memory is its own
 step's, allocated and reserved; the CUDA allocator gets expandable segments unless the
 user chose its settings. CUDA is stood in for where the figures come from (torch.cuda's
 counters), so this runs on CPU."""

@@ -1,4 +1,4 @@
-"""The small defects a new user met on the first day (issue 29, item 6), one test each.
+"""The small defects a new user met on the first day, one test each.
 
 The planner's exit status (text and JSON alike where nothing fits) is tested in
 tests/test_plan.py (``test_nothing_runnable_exits_1_with_the_reason_in_text_and_json``).

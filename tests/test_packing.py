@@ -1,4 +1,4 @@
-"""Packing chat conversations (issue 33 item 2, ``data.packing=true``).
+"""Packing chat conversations (``data.packing=true``).
 
 - a packed row gives each conversation the loss and the gradients it has alone, unpacked
   (fp32 tolerance), and no attention crosses conversations (another conversation's tokens

@@ -1,4 +1,4 @@
-"""The async checkpoint's snapshot in the memory plan (issue 43, item 6): each rank's
+"""The async checkpoint's snapshot in the memory plan: each rank's
 checkpoint state (fp32 parameters + AdamW's two fp32 moments + its step counters) kept in
 host buffers from save to save, page-locked on GPU clusters (each buffer a power of two:
 torch's caching host allocator), counted per node beside offload, shown by the planner

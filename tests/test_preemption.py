@@ -131,9 +131,9 @@ def test_a_failing_run_is_not_requeued(tmp_path, slurm_cluster):
 
 
 def test_scancel_saves_but_never_requeues(tmp_path, slurm_cluster):
-    """Before the cancel, on the same 2-node run: its slow rank is named (issue 32 item 2:
-    only rank 1 sleeps fault.step_delay_s; tests/test_stragglers.py) and both nodes' ranks
-    show their stacks on demand (item 4)."""
+    """Before the cancel, on the same 2-node run: its slow rank is named (only
+    rank 1 sleeps fault.step_delay_s; tests/test_stragglers.py) and both nodes' ranks show
+    their stacks on demand (tests/test_stacks.py)."""
     job, run_dir = submit(tmp_path, slurm_cluster, ["fault.step_delay_s=0.4", "fault.step_delay_rank=1",
                                                     "train.steps=200"])
     flagged = wait_until(lambda: (run_dir / "stragglers.json").is_file() and json.loads(
@@ -143,7 +143,7 @@ def test_scancel_saves_but_never_requeues(tmp_path, slurm_cluster):
     assert flagged["step"] <= 12 and "straggler: rank 1 (node 1)" in (run_dir / "logs" / "rank0.log").read_text()
     row = read_metrics(run_dir)[-1]
     assert row["fwd_bwd_s"]["max_rank"] == 0 and row["fwd_bwd_s"]["max"] > 0.3  # rank 0 waits for rank 1 in DDP
-    # first, what are the two nodes' ranks doing? (issue 32 item 4; tests/test_stacks.py)
+    # first, what are the two nodes' ranks doing? (tests/test_stacks.py)
     asked = subprocess.run([sys.executable, "-m", "launcher.stacks", str(run_dir), "--timeout", "30"],
                            env={**slurm_cluster, "PYTHONPATH": pythonpath()}, capture_output=True, text=True, timeout=60)
     assert asked.returncode == 0, asked.stdout + asked.stderr

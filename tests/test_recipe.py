@@ -1,4 +1,4 @@
-"""``+experiment=r1_distill_sft`` is open-r1's distillation SFT recipe (issue 33 item 6):
+"""``+experiment=r1_distill_sft`` is open-r1's distillation SFT recipe:
 every setting checked against open-r1's own files, kept as they are under tests/fixtures/
 (huggingface/open-r1 at 33f84def0d20f5abc5281804f7fc91fbf276850c, Apache-2.0:
 recipes/OpenR1-Distill-7B/sft/config_distill.yaml and recipes/accelerate_configs/zero3.yaml),

@@ -69,7 +69,7 @@ def add_point(sweep, n, job, status_, nodes, gpn, rows, overrides=None, name=NAM
 # --- arithmetic -------------------------------------------------------------------------
 
 def test_efficiency_matches_the_seeds_example():
-    # The example, 95.8%, is 46 / 48: 12 samples/s *per GPU* on 2 GPUs (24 in all),
+    # docs/scaling.md's example, 95.8%, is 46 / 48: 12 samples/s *per GPU* on 2 GPUs (24 in all),
     # 46 samples/s in all on 4 GPUs; equally 12 samples/s on 1 GPU and 46 on 4.
     assert round(efficiency(46, 4, 24, 2) * 100, 1) == 95.8
     assert round(efficiency(46, 4, 12, 1) * 100, 1) == 95.8

@@ -1,4 +1,4 @@
-"""Stacks on demand (issue 32 item 4): ``touch RUN_DIR/STACK_NOW`` or
+"""Stacks on demand: ``touch RUN_DIR/STACK_NOW`` or
 ``python -m launcher.stacks RUN_DIR`` makes every rank write its threads' stacks and go on.
 On the local Slurm cluster: tests/test_preemption.py's cancelled 2-node run is asked first."""
 from __future__ import annotations

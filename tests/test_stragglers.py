@@ -1,4 +1,4 @@
-"""Where each step's time goes and which rank is slow (issue 32 items 1-2, train/steptimes.py):
+"""Where each step's time goes and which rank is slow (train/steptimes.py):
 the detector on per-rank times recorded on this 2-core machine (tests/fixtures/steptimes.json:
 clean runs raise no flag, a rank slowed alone is named), the peers of each layout, the
 metrics rows' breakdown and train.straggler_action=restart_without on a real local run. On

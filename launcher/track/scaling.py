@@ -91,7 +91,7 @@ def efficiency(throughput: float, n: int, base_throughput: float, base_n: int) -
     """Scaling efficiency the way the seeds compute it: throughput(N) / (throughput(N0) x N / N0).
 
     1.0 is linear scaling. 12 samples/s per GPU on 2 GPUs (24 in all) and 46 in all on 4
-    GPUs give 46 / 48 = 0.958, the issue's 95.8%.
+    GPUs give 46 / 48 = 0.958, the 95.8% of docs/scaling.md's example.
     """
     if not throughput or not base_throughput or n <= 0 or base_n <= 0:
         return None
