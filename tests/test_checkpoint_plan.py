@@ -12,7 +12,7 @@ from conftest import launcher
 from helpers import compose_run
 from launcher.checks import check
 from launcher.plan.state_bytes import state_bytes_per_rank
-from launcher.plan.checkpoints import COMMIT_S, MIN_INTERVAL_S, SNAPSHOT_GBPS, WRITE_SHARE, plan_saves
+from launcher.plan.checkpoints import COMMIT_S, describe, MIN_INTERVAL_S, SNAPSHOT_GBPS, WRITE_SHARE, plan_saves
 from spec.config import ConfigError
 from spec.layout import build_layout
 from spec.model_size import count_params
@@ -89,6 +89,10 @@ def test_a_users_interval_is_kept_and_a_cpu_run_saves_on_signals_only(tmp_path):
     k = cpu.checkpoint
     assert (k.every_steps, k.every_minutes, k.async_save) == (0, 0.0, False) and plan.save_s is None
     assert k.save_timeout_s == 2 * cpu.cluster.hang_timeout_s  # no filesystem figures: twice the hang timeout
+    steps, _, plan = _checked(["+cluster=localslurm", "checkpoint.every_steps=100", "launcher.dry_run=true"])
+    assert describe(steps, plan)[:2] == ["checkpoints: every 100 steps, blocking",
+                                         "checkpoints: work lost per failure ~50 steps on average (half the interval) "
+                                         "+ the restart"]  # no step time predicted on a CPU profile
     off, _, _ = _checked([*BIG, "checkpoint.every_minutes=0"])  # 0: off, as before
     assert (off.checkpoint.every_minutes, off.checkpoint.every_steps) == (0, 0)
 

@@ -217,15 +217,18 @@ def describe(cfg: RunConfig, plan: SavePlan, step_s: Optional[float] = None) -> 
         source = "" if not plan.derived else _derivation(cfg, plan)
         lines.append(f"checkpoints: {every}, {how}{source}")
         lost = _lost_s(k, step_s)
-        if lost is not None:
+        if lost is None:  # every_steps alone, no predicted step time
+            lines.append(f"checkpoints: work lost per failure ~{k.every_steps / 2:g} steps on average (half the "
+                         "interval) + the restart")
+        else:
             restart = f" + the restart (restore {plan.restore_s:.0f} s)" if plan.restore_s is not None else \
                 " + the restart"
             lines.append(f"checkpoints: work lost per failure ~{_dur(lost)} on average (half the interval){restart}"
                          + (f"; the job fails every {plan.mtbf_h:.1f} h on average" if plan.mtbf_h else ""))
     else:
-        lines.append("checkpoints: on Slurm's signal only (no periodic save: a crash or a dead node loses the "
+        lines.append("checkpoints: only on a signal (preemption, time limit): a crash or a dead node loses the "
                      "segment; set checkpoint.every_minutes, or the profile's fs_* and failures_per_node_hour "
-                     "to derive it)")
+                     "to derive it")
     if plan.save_s is not None:
         window = f" (the one on Slurm's signal: within cluster.signal_delay_s={c.signal_delay_s})" \
             if c.backend == "slurm" else ""

@@ -39,21 +39,24 @@ class SavePolicy:
     every_minutes: float = 0.0
     save_final: bool = False
     background: bool = False     # periodic saves async (a signal's save never is)
-    run_dir: Optional[Path] = None
+    run_dir: Optional[Path] = None  # rank 0's: it votes (the interval, SAVE_NOW); None: never votes
     last_save: float = field(default_factory=time.monotonic)
 
     @classmethod
     def of(cls, cfg: RunConfig, run_dir: Optional[Path] = None) -> "SavePolicy":
+        """The run's policy; ``run_dir`` given on rank 0 only (the rank that votes)."""
         c = cfg.checkpoint
         return cls(every_steps=c.every_steps or 0, every_minutes=c.every_minutes or 0.0,
                    save_final=saves_last_step(c), background=saves_async(cfg), run_dir=run_dir)
 
     def asked(self) -> bool:
         """Rank 0's vote for the step's all-gather: the interval elapsed, or SAVE_NOW exists
-        (one stat a step, rank 0 only)."""
+        (one stat a step, rank 0 only); the other ranks never vote, so one clock decides."""
+        if self.run_dir is None:
+            return False
         if self.every_minutes > 0 and time.monotonic() - self.last_save >= self.every_minutes * 60:
             return True
-        return self.run_dir is not None and (self.run_dir / SAVE_REQUEST).exists()
+        return (self.run_dir / SAVE_REQUEST).exists()
 
     def due(self, done: int, total: int, asked: bool, preempted: bool) -> bool:
         """Whether the boundary after step ``done`` (1-based) of ``total`` saves, given the
