@@ -226,9 +226,9 @@ def describe(cfg: RunConfig, plan: SavePlan, step_s: Optional[float] = None) -> 
             lines.append(f"checkpoints: work lost per failure ~{_dur(lost)} on average (half the interval){restart}"
                          + (f"; the job fails every {plan.mtbf_h:.1f} h on average" if plan.mtbf_h else ""))
     else:
+        derive = ", or the profile's fs_* and failures_per_node_hour to derive it" if c.accelerator == "gpu" else ""
         lines.append("checkpoints: only on a signal (preemption, time limit): a crash or a dead node loses the "
-                     "segment; set checkpoint.every_minutes, or the profile's fs_* and failures_per_node_hour "
-                     "to derive it")
+                     f"segment; set checkpoint.every_minutes or checkpoint.every_steps{derive}")
     if plan.save_s is not None:
         window = f" (the one on Slurm's signal: within cluster.signal_delay_s={c.signal_delay_s})" \
             if c.backend == "slurm" else ""
