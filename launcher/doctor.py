@@ -3,16 +3,18 @@
 A short job on the cluster, submitted like any training run (the same composition, checks,
 sbatch script, rendezvous, device choice and run directory) with its entry point set to
 :data:`spec.doctor.ENTRYPOINT` (:mod:`train.doctor`). It waits for the job and prints,
-per node and rank: the device each rank got and the binding, the CPUs each task may use,
-torch / CUDA / NCCL / driver versions, GPU health, matmul TFLOP/s, and the intra- and
-inter-node all-reduce bus bandwidth, then one verdict per node:
+per node and rank: the device each rank got and the binding, the CPUs each task may use
+(which, their NUMA node(s) and its GPU's), torch / CUDA / NCCL / driver versions, GPU
+health, matmul TFLOP/s, and the intra- and inter-node all-reduce bus bandwidth, then one
+verdict per node:
 
 - ``fault``: unhealthy GPUs (health.py), no CUDA on a GPU profile, two ranks on one GPU,
   a binding other than the profile's, versions that differ from the other nodes';
 - ``slow``: matmul or bandwidth under :data:`SLOW_FRACTION` of the profile's
   ``peak_tflops_bf16`` / ``intra_node_gbps`` / ``inter_node_gbps`` (the planner's inputs),
   matmul under :data:`OUTLIER` x the median of the nodes, fewer CPUs than
-  ``cluster.cpus_per_task``, a GPU whose clocks the hardware slows down now;
+  ``cluster.cpus_per_task``, a rank whose CPUs are not all on its GPU's NUMA node, a GPU
+  whose clocks the hardware slows down now;
 - ``ok``.
 
 On a CPU cluster the job runs over gloo; its bandwidth is informative only (no verdict
@@ -112,9 +114,21 @@ def _slow(rows: List[Dict[str, Any]], cluster, gpu: bool, median_tflops: Optiona
     for r in rows:
         if r.get("cpus") is not None and r["cpus"] < cluster.cpus_per_task:
             reasons.append(f"rank {r['rank']} may use {r['cpus']} CPU(s), cpus_per_task={cluster.cpus_per_task}")
+    reasons += [why for why in map(_away_from_gpu, rows) if why]
     for r in rows:
         reasons += [f"clocks slowed: {t}" for t in (r.get("health") or {}).get("throttled") or []]
     return reasons
+
+
+def _away_from_gpu(r: Dict[str, Any]) -> Optional[str]:
+    """A rank whose CPUs are not all on its GPU's NUMA node (train/harness/affinity.py's
+    facts; None when they are, or either is unknown)."""
+    gpu, cpus = r.get("gpu_numa"), r.get("cpu_numa")
+    if gpu is None or not cpus or set(cpus) == {gpu}:
+        return None
+    why = r.get("cpu_bind_reason")
+    return (f"rank {r['rank']} runs on CPUs {r.get('cpu_list')} of NUMA node(s) {','.join(map(str, cpus))}, its GPU "
+            f"on NUMA node {gpu}" + (f" ({why})" if why else ""))
 
 
 def verdicts(report: Dict[str, Any], cluster) -> Dict[str, Dict[str, Any]]:
@@ -143,13 +157,15 @@ def _cells(r: Dict[str, Any]) -> List[str]:
     gpu = r.get("pci_bus_id") or ""
     seen = f"{r.get('gpu_binding')}/{r.get('visible_gpus')}" if r.get("accelerator") == "gpu" else "-"
     slurm = r.get("slurm_cpus_per_task")
+    numa = f"{','.join(map(str, r.get('cpu_numa') or [])) or '-'}/{_num(r.get('gpu_numa'), 'd')}"
     return [r["host"], str(r["rank"]), str(r["local_rank"]), f"{r['device']} {gpu}".strip(), seen,
-            f"{r.get('cpus')}/{slurm if slurm is not None else '-'}", _num(r.get("matmul_tflops")),
-            _num(r.get("intra_gbps")), _num(r.get("inter_gbps"))]
+            f"{r.get('cpus')}/{slurm if slurm is not None else '-'}", r.get("cpu_list") or "-", numa,
+            _num(r.get("matmul_tflops")), _num(r.get("intra_gbps")), _num(r.get("inter_gbps"))]
 
 
-HEADER = ["node", "rank", "local", "device", "binding/seen", "cpus/slurm", "matmul TFLOP/s", "intra GB/s",
-          "inter GB/s"]
+# cpu list: the CPUs the rank runs on; numa cpu/gpu: their NUMA node(s) / its GPU's
+HEADER = ["node", "rank", "local", "device", "binding/seen", "cpus/slurm", "cpu list", "numa cpu/gpu",
+          "matmul TFLOP/s", "intra GB/s", "inter GB/s"]
 
 
 def render(report: Dict[str, Any], cluster, judged: Dict[str, Dict[str, Any]]) -> str:

@@ -19,6 +19,7 @@ from launcher import doctor
 from spec.config import ClusterConfig
 from spec.doctor import DOCTOR_JSON, ENTRYPOINT
 from train.harness import health
+from train.harness.affinity import Topology, parse_cpulist, share
 
 FIX = Path(__file__).parent / "fixtures" / "nvidia_smi"
 H100 = ClusterConfig(name="h100x8", backend="slurm", nodes=2, gpus_per_node=2, accelerator="gpu",
@@ -31,7 +32,9 @@ def gpu_rank(rank: int, host: str, **changes):
     facts = {"rank": rank, "local_rank": local, "node": node, "host": host, "backend": "nccl",
              "device": f"cuda:{local}", "accelerator": "gpu", "gpu_binding": "node", "visible_gpus": 2,
              "gpu_uuid": f"GPU-{host}-{local}", "pci_bus_id": f"00000000:{0x18 + local:02X}:00.0", "cpus": 16,
-             "slurm_cpus_per_task": 16, "torch": "2.11.0+cu130", "cuda": "13.0", "nccl": "2.27.7",
+             "slurm_cpus_per_task": 16, "cpu_list": f"{16 * local}-{16 * local + 15}", "cpu_numa": [local],
+             "gpu_numa": local, "near_gpu": True, "cpu_bind": "gpu", "cpu_bind_reason": "",
+             "torch": "2.11.0+cu130", "cuda": "13.0", "nccl": "2.27.7",
              "python": "3.12.3", "matmul_tflops": 700.0, "intra_gbps": 380.0, "inter_gbps": 45.0}
     if local == 0:
         facts.update(driver="580.65.06", health={"gpus": 2, "xids": {}, "unhealthy": [], "throttled": []})
@@ -92,7 +95,13 @@ def test_a_driver_that_differs_is_a_fault_of_the_odd_node_out():
     ({"cpus": 1}, "rank 2 may use 1 CPU(s), cpus_per_task=8"),
     ({"health": {"gpus": 2, "unhealthy": [], "throttled": ["GPU 1: hw_thermal_slowdown"]}},
      "clocks slowed: GPU 1: hw_thermal_slowdown"),
-], ids=["matmul", "intra", "inter", "cpus", "throttled"])
+    ({"cpu_list": "16-31", "cpu_numa": [1], "near_gpu": False, "cpu_bind": "kept",
+      "cpu_bind_reason": "cluster.cpu_bind=none: the task's CPUs, left as they are"},
+     "rank 2 runs on CPUs 16-31 of NUMA node(s) 1, its GPU on NUMA node 0 (cluster.cpu_bind=none: the task's CPUs, "
+     "left as they are)"),
+    ({"cpu_list": "0-31", "cpu_numa": [0, 1], "cpu_bind_reason": ""},
+     "rank 2 runs on CPUs 0-31 of NUMA node(s) 0,1, its GPU on NUMA node 0"),
+], ids=["matmul", "intra", "inter", "cpus", "throttled", "far_numa_node", "both_numa_nodes"])
 def test_slow_nodes(changes, reason):
     cluster = ClusterConfig(**{**H100.__dict__, "cpus_per_task": 8})
     judged = doctor.verdicts(report(*healthy({2: changes})), cluster)
@@ -128,6 +137,7 @@ def test_render_has_a_row_per_rank_and_a_verdict_per_node():
     assert lines[1].split()[:4] == ["node", "rank", "local", "device"]
     assert [line.split()[:2] for line in lines[2:6]] == [["gpu1", "0"], ["gpu1", "1"], ["gpu2", "2"], ["gpu2", "3"]]
     assert "cuda:1 00000000:19:00.0" in lines[3] and "node/2" in lines[3] and "16/16" in lines[3]
+    assert "numa cpu/gpu" in lines[1] and " 16-31 " in lines[3] and " 1/1 " in lines[3]  # rank 1: CPUs, NUMA nodes
     assert "gpu1: torch 2.11.0+cu130, CUDA 13.0, NCCL 2.27.7, driver 580.65.06; GPU health: 2 GPU(s), 0 fault(s)" in text
     assert "verdict gpu2: fault (ranks 2, 3 share GPU GPU-gpu2-0)" in text and "informative" not in text
 
@@ -178,6 +188,9 @@ def check_report(proc, hosts, ranks_per_node, n_hosts=None):
         hosts = ran_on
     assert rep["backend"] == "gloo" and rep["world_size"] == len(hosts) * ranks_per_node
     assert all(r["device"] == "cpu" and r["cpus"] >= 1 and r["matmul_tflops"] > 0 for r in rep["ranks"])
+    # placed as a training rank is (train/harness/affinity.py): no GPU, an even split of the task's CPUs
+    assert all(r["cpu_bind"] == "split" and r["gpu_numa"] is None and r["cpus"] == len(parse_cpulist(r["cpu_list"]))
+               for r in rep["ranks"]), rep["ranks"]
     assert all((r["intra_gbps"] or 0) > 0 for r in rep["ranks"]) == (ranks_per_node > 1)
     assert all((r["inter_gbps"] or 0) > 0 for r in rep["ranks"]) == (len(hosts) > 1)
     assert "gloo on CPU: bandwidths are informative only" in proc.stdout
@@ -189,7 +202,9 @@ def check_report(proc, hosts, ranks_per_node, n_hosts=None):
 @pytest.mark.slow
 def test_local_two_ranks(tmp_path):
     proc = doctor_cli(["+cluster=local"], tmp_path)
-    check_report(proc, [socket.gethostname()], 2)
+    rep = check_report(proc, [socket.gethostname()], 2)
+    mine = sorted(os.sched_getaffinity(0))  # the forked ranks' shares of this machine's CPUs
+    assert [parse_cpulist(r["cpu_list"]) for r in rep["ranks"]] == [share(mine, k, 2, Topology()) for k in range(2)]
 
 
 @pytest.mark.slow

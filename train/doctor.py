@@ -8,8 +8,10 @@ its binding check, and the run directory are those of a training job. Every rank
    and writes what it got to ``RUN_DIR/doctor/rank{R}.json`` at once (so a job that hangs
    in a collective still says which device and CPUs each rank had): host, device, the
    GPU's name/UUID/PCI address, the profile's ``cluster.gpu_binding`` and how many GPUs the
-   task sees, CPUs (``os.sched_getaffinity`` and ``SLURM_CPUS_PER_TASK``), torch / CUDA /
-   NCCL versions; local rank 0 adds the node's GPU health and driver
+   task sees, CPUs (``os.sched_getaffinity`` and ``SLURM_CPUS_PER_TASK``; placed first as a
+   training rank is, ``cluster.cpu_bind``: which CPUs, their NUMA node(s) and its GPU's,
+   :mod:`train.harness.affinity`), torch / CUDA / NCCL versions; local rank 0 adds the
+   node's GPU health and driver
    (:func:`train.harness.health.gpu_health`);
 2. times a matmul (bf16 8192^2 on GPU, fp32 512^2 on CPU: :mod:`train.harness.preflight`);
 3. times an all-reduce inside its node (all nodes at once, one group per node) and then
@@ -45,10 +47,16 @@ def _write_json(path: Path, data: Dict[str, Any]) -> None:
 
 
 def cpu_facts(cfg: RunConfig) -> Dict[str, Any]:
-    """The CPUs this task may run on and what Slurm and the profile said it would get."""
+    """The CPUs this task may run on and what Slurm and the profile said it would get; once
+    placed (:func:`train.harness.affinity.bind_rank`), which CPUs, their NUMA node(s), its
+    GPU's NUMA node and how they were chosen."""
+    from train.harness.affinity import placed
+
     slurm = os.environ.get("SLURM_CPUS_PER_TASK")
+    placement = placed()
     return {"cpus": len(os.sched_getaffinity(0)), "slurm_cpus_per_task": int(slurm) if slurm else None,
-            "cpus_per_task": cfg.cluster.task_cpus(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+            "cpus_per_task": cfg.cluster.task_cpus(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            **(placement.facts() if placement is not None else {})}
 
 
 def device_facts(device, cfg: RunConfig) -> Dict[str, Any]:
@@ -144,14 +152,19 @@ def check(dcfg=None) -> None:
     """The doctor job's function: every rank measures, rank 0 writes doctor.json."""
     import torch.distributed as dist
 
+    from train.harness.affinity import bind_rank
     from train.harness.dist import init_distributed, shutdown
     from train.harness.preflight import matmul_gflops
+    from train.harness.run import rank_logger
 
     run_dir = Path(os.environ["STO_RUN_DIR"])
     cfg = to_run_config(run_dir / CONFIG)
     t0 = time.time()
     ctx = init_distributed(timeout_s=cfg.train.dist_timeout_s, accelerator=cfg.cluster.accelerator,
                            gpu_binding=cfg.cluster.gpu_binding)
+    # the CPUs a training rank would get (cluster.cpu_bind; a forked local rank has them already)
+    bind_rank(cfg.cluster, ctx.local_rank, ctx.local_world_size, ctx.device, rank_logger(run_dir, ctx.rank).info,
+              rank=ctx.rank)
     facts = rank_facts(ctx, cfg)
     _write_json(run_dir / RANKS_DIR / f"rank{ctx.rank}.json", facts)
     small = ctx.device.type != "cuda"

@@ -8,7 +8,9 @@ the same entry point, without paying the imports again (the workload says which:
 :func:`train.main.warm_imports`; torch, DTensor, DCP, DeepSpeed: 2.5-4 s of CPU a
 rank here, so a 4-rank run saves 8-12 s of CPU). Nothing
 runs a torch operation, starts a thread or touches a device before the fork, so the
-children start as clean as spawned processes (CUDA is initialised only after it).
+children start as clean as spawned processes (CUDA is initialised only after it). Each
+child first takes its CPUs (``cluster.cpu_bind``, :mod:`train.harness.affinity`), and rank 0
+its own once the children are forked: whatever a rank starts afterwards inherits them.
 
 Supervision stays what the launcher did for separate processes: when a rank fails the
 others get SIGTERM, and after :data:`GRACE_S` the stragglers SIGKILL; rank 0 exits with
@@ -29,7 +31,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from slurm.env import LOCAL_FORK_ENV
 
@@ -126,7 +128,8 @@ class Supervisor:
                         error=f"rank {self.failed_rank} exited with status {self.failure} (the other ranks were stopped)")
 
 
-def _child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int], parent: int) -> None:
+def _child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int], parent: int, cluster: Any,
+           forked: int) -> None:
     """In a forked child: become that rank, run ``entry``, exit (never returns)."""
     code = 1
     try:
@@ -141,6 +144,7 @@ def _child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int], par
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.close(out)
+        _place(cluster, rank_env, run_dir, forked)
         code = entry()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -172,11 +176,43 @@ def fork_ranks(run_dir: str, entry: Callable[[], int], warm: Callable[[str], Non
     (Path(run_dir) / "logs").mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    cluster = _cluster(run_dir)
     children: Dict[int, int] = {}
     parent = os.getpid()
     for rank_env in ranks:
         pid = os.fork()
         if pid == 0:
-            _child(rank_env, run_dir, entry, parent)
+            _child(rank_env, run_dir, entry, parent, cluster, len(ranks))
         children[pid] = int(rank_env["RANK"])
+    _place(cluster, os.environ, run_dir, len(ranks))  # rank 0, once its children have the task's CPUs
     return Supervisor(children, run_dir)
+
+
+def _cluster(run_dir: str) -> Any:
+    """The run's cluster section (None without a config: nothing is placed)."""
+    from spec.config import to_run_config
+    from spec.rundir import CONFIG
+
+    path = Path(run_dir) / CONFIG
+    try:
+        return to_run_config(path).cluster if path.is_file() else None
+    except Exception:  # noqa: BLE001 - the rank reports a bad config itself, as it reads it
+        return None
+
+
+def _place(cluster: Any, env: Mapping[str, str], run_dir: str, forked: int) -> None:
+    """This rank's CPUs (:mod:`train.harness.affinity`), in a child right after the fork,
+    before it runs anything: every thread and process it starts inherits them. ``forked``:
+    how many ranks rank 0 forked (the node's local ranks are those and rank 0)."""
+    if cluster is None:
+        return
+    from train.harness.affinity import bind_rank
+    from train.harness.run import rank_logger
+
+    rank = int(env.get("RANK", 0))
+    log = rank_logger(Path(run_dir), rank)
+    try:
+        bind_rank(cluster, int(env.get("LOCAL_RANK", rank)), int(env.get("LOCAL_WORLD_SIZE", forked + 1)),
+                  log=log.info, rank=rank)
+    except Exception as exc:  # noqa: BLE001 - a placement, never a reason not to run
+        log.info(f"rank {rank}: CPUs not placed ({type(exc).__name__}: {exc})")

@@ -3,7 +3,8 @@
 The launcher's ``environment.txt`` describes the login node; what a job ran on is the
 compute nodes' business. Local rank 0 of every node writes, at each segment's start:
 hostname, CPU count, Python, torch, its CUDA build, cuDNN, NCCL, the driver, the GPU
-model and count (nvidia-smi when present, else torch's view), the Slurm job and restart.
+model and count (nvidia-smi when present, else torch's view), the Slurm job and restart,
+the NUMA nodes' CPUs and the GPUs' NUMA nodes, and the CPUs local rank 0 runs on.
 CPU-safe: the CUDA fields are null on a node without CUDA. ``launcher.status`` prints
 one line per node.
 """
@@ -65,7 +66,22 @@ def node_facts(gpus: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
     facts.update(_cuda_facts(torch))
     smi = _smi_facts(gpus)
     facts.update({k: v for k, v in smi.items() if v is not None or k not in facts})
+    facts.update(_cpu_facts())
     return facts
+
+
+def _cpu_facts() -> Dict[str, Any]:
+    """The node's NUMA nodes and its GPUs' (sysfs), and the CPUs the writer (local rank 0)
+    was placed on (``cluster.cpu_bind``: train/harness/affinity.py; every rank's are in its
+    log, ``rank R: CPUs ...``)."""
+    from train.harness.affinity import node_topology, placed
+
+    try:
+        numa = node_topology()
+    except Exception as exc:  # noqa: BLE001 - a fact, never a failure
+        numa = {"error": f"{type(exc).__name__}: {exc}"}
+    mine = placed()
+    return {"numa": numa, "local_rank0_cpus": mine.facts() if mine is not None else None}
 
 
 def slurm_names(run_dir: Path, hosts: List[str]) -> List[str]:
