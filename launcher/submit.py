@@ -9,7 +9,10 @@ slot on CPU clusters). submitit writes the batch script, per-rank logs
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import shlex
 import shutil
 import sys
 import time
@@ -123,12 +126,15 @@ def default_job_name(cfg: RunConfig) -> str:
     return f"sto-{name}"
 
 
-def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = None,
-                     python: Optional[str] = None) -> Dict[str, Any]:
+def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = None, python: Optional[str] = None,
+                     run_dir: Optional[Path] = None, wrapper: Optional[str] = None) -> Dict[str, Any]:
     """submitit/sbatch parameters of this run (the same for dry run and submission): one
-    task per GPU, each with cluster.task_cpus() CPUs and its GPU(s) by cluster.gpu_binding.
+    task per GPU, each with cluster.task_cpus() CPUs and its GPU(s) by cluster.gpu_binding;
+    srun's --kill-on-bad-exit=1, so that a task that dies ends the step at once (the step
+    loop records and restarts it: train.harness.restart.after_srun).
     ``code``: the run's frozen code (launcher.snapshot), first on the tasks' PYTHONPATH;
-    ``python``: the tasks' interpreter when not this one (render_script's)."""
+    ``python``: this interpreter's command when not sys.executable (render_script's);
+    ``run_dir`` (a sweep's: any point's), ``wrapper``: for a container's mounts."""
     c = cfg.cluster
     gpu: Dict[str, Any] = {}
     extra: Dict[str, Any] = {}
@@ -137,10 +143,10 @@ def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = No
     if c.accelerator == "gpu":
         gpu, extra, srun_gpu = sbatch.gpu_binding(c.gpu_binding, c.gpus_per_node, nodes)
     params = _job_parameters(cfg, cfg.launcher.job_name or default_job_name(cfg), nodes, c.gpus_per_node,
-                             c.task_cpus(), srun_gpu, code)
+                             c.task_cpus(), [*srun_gpu, "--kill-on-bad-exit=1"], code, run_dir, wrapper)
     grace = submitit_adapter.restart_grace_s(heartbeat_interval(c.hang_timeout_s))
     params.update(gpu, setup=params["setup"] + submitit_adapter.step_loop(
-        c.in_job_restarts, python or _task_python(code)[0], c.spare_nodes, c.nodes, c.gpus_per_node, grace,
+        c.in_job_restarts, job_pythons(cfg, code, python)[1], c.spare_nodes, c.nodes, c.gpus_per_node, grace,
         _task_python(code)[1]),
                   teardown=submitit_adapter.requeue_if_signalled(c.max_requeues))
     spare = {"no-kill": True} if c.spare_nodes else {}  # the job outlives a dead node
@@ -148,8 +154,47 @@ def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = No
     return params
 
 
+def job_pythons(cfg: RunConfig, code: Optional[Frozen], python: Optional[str] = None) -> Tuple[str, str]:
+    """(the tasks' Python, the batch script's own), as shell words. This interpreter
+    (``python``, else the frozen copy's: with -P, else sys.executable) unless
+    cluster.python names another; with cluster.container_image the tasks run the image's
+    (cluster.python, else its ``python``) while the batch script stays on the host."""
+    here = python or _task_python(code)[0] or shlex.quote(sys.executable)
+    given = shlex.quote(cfg.cluster.python) if cfg.cluster.python else None
+    if cfg.cluster.container_image:
+        return given or "python", here
+    return given or here, given or here
+
+
+def container_args(cfg: RunConfig, code: Optional[Frozen], run_dir: Optional[Path],
+                   wrapper: Optional[str]) -> Tuple[List[str], List[str]]:
+    """(--container-mounts items, more srun options) with cluster.container_image: the
+    site's mounts, then the run's paths at the same place inside: the directory holding
+    the run directory (with the frozen code, .code/<hash>, and a sweep's points and
+    arrays) and the code whose task wrapper srun starts, when elsewhere; and a
+    --container-name that follows the image, so that every step of the job (restarts
+    inside it) and every node's next step reuse the imported container."""
+    c = cfg.cluster
+    if not c.container_image:
+        return list(c.container_mounts), []
+    runs = run_dir.parent if run_dir is not None else (code.copies[0][1].parent.parent if code is not None
+                                                       and code.copies else None)
+    tree = Path(wrapper or _task_python(code)[1] or submitit_adapter.TASK_WRAPPER).parent.parent
+    ours = [p for p in (runs, tree) if p is not None]
+    ours = [p for p in dict.fromkeys(ours) if not any(q != p and p.is_relative_to(q) for q in ours)]
+    for path in ours:
+        if set(str(path)) & set(":,"):
+            raise ConfigError(f"launcher.run_dir: {path} holds ':' or ',', which split pyxis's --container-mounts; "
+                              "pick a directory without them")
+    image = c.container_image
+    tail = re.sub(r"[^A-Za-z0-9_.-]+", "-", image.rsplit("/", 1)[-1].replace("#", "-"))[:40].strip("-.")
+    name = f"sto-{tail}-{hashlib.sha256(image.encode()).hexdigest()[:8]}"
+    return [*c.container_mounts, *(f"{p}:{p}" for p in ours)], [f"--container-name={name}"]
+
+
 def _job_parameters(cfg: RunConfig, job_name: str, nodes: int, tasks_per_node: int, cpus_per_task: int,
-                    srun_gpu: List[str], code: Optional[Frozen] = None) -> Dict[str, Any]:
+                    srun_own: List[str], code: Optional[Frozen] = None, run_dir: Optional[Path] = None,
+                    wrapper: Optional[str] = None) -> Dict[str, Any]:
     """What every job of a run shares (training and conversion): name, shape, time, the
     site's options, Slurm's client as found after the site's setup (before cluster.env,
     which may hide it from the tasks), the environment (the frozen code's PYTHONPATH last,
@@ -161,6 +206,7 @@ def _job_parameters(cfg: RunConfig, job_name: str, nodes: int, tasks_per_node: i
     except ValueError as exc:
         raise ConfigError(f"cluster.env: {exc}; use letters, digits and _") from None
     setup += code.setup_lines() if code is not None else []
+    mounts, container = container_args(cfg, code, run_dir, wrapper)
     params: Dict[str, Any] = {
         "job_name": job_name,
         "nodes": nodes,
@@ -169,8 +215,8 @@ def _job_parameters(cfg: RunConfig, job_name: str, nodes: int, tasks_per_node: i
         "time": c.time_min,
         "signal_delay_s": c.signal_delay_s,
         "setup": setup,
-        "srun_args": sbatch.srun_args(cpus_per_task, srun_gpu, c.srun_args, c.container_image, c.container_mounts,
-                                      c.container_workdir),
+        "srun_args": sbatch.srun_args(cpus_per_task, srun_own, c.srun_args, c.container_image, mounts,
+                                      c.container_workdir) + container,
         "additional_parameters": sbatch.extra_options(c.sbatch_extra),
         **submitit_adapter.NO_WCKEY,
     }
@@ -214,9 +260,9 @@ def _task_python(code: Optional[Frozen]) -> Tuple[Optional[str], Optional[str]]:
 
 def render_script(cfg: RunConfig, layout: Layout, run_dir: Path, python: Optional[str] = None,
                   wrapper: Optional[str] = None, code: Optional[Frozen] = None) -> str:
-    frozen_python, frozen_wrapper = _task_python(code)
-    return submitit_adapter.render(slurm_parameters(cfg, layout, code, python), run_dir / "slurm", python or frozen_python,
-                                   wrapper or frozen_wrapper)
+    wrapper = wrapper or _task_python(code)[1]
+    return submitit_adapter.render(slurm_parameters(cfg, layout, code, python, run_dir, wrapper), run_dir / "slurm",
+                                   job_pythons(cfg, code, python)[0], wrapper)
 
 
 def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[str], after: Optional[str] = None,
@@ -226,11 +272,11 @@ def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[s
     ``code``: the run's frozen code (launcher.snapshot), what every task imports."""
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf  # sbatch here and every task of the job read it
-    params = slurm_parameters(cfg, layout, code)
+    params = slurm_parameters(cfg, layout, code, run_dir=run_dir)
     if after:
         params["additional_parameters"]["dependency"] = f"afterany:{after}"
     job = submitit_adapter.submit(task_call(run_dir), run_dir / "slurm", params, cfg.cluster.max_requeues,
-                                  *_task_python(code))
+                                  job_pythons(cfg, code)[0], _task_python(code)[1])
     try:
         shutil.copyfile(job.paths.submission_file, run_dir / "sbatch.sh")
     except OSError:
@@ -241,13 +287,14 @@ def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[s
 CONVERT = "train.checkpoint.convert:run"  # the conversion job's one task, with the run directory and stage
 
 
-def conversion_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = None) -> Dict[str, Any]:
+def conversion_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = None,
+                          run_dir: Optional[Path] = None) -> Dict[str, Any]:
     """The conversion job's: one node, one task with the CPUs of all the node's tasks (srun
     asks for them too), the run's partition, account, memory, environment and container;
     no GPU, no requeue."""
     c = cfg.cluster
     name = f"{cfg.launcher.job_name or default_job_name(cfg)}-convert"
-    return _job_parameters(cfg, name, 1, 1, c.task_cpus() * c.gpus_per_node, [], code)
+    return _job_parameters(cfg, name, 1, 1, c.task_cpus() * c.gpus_per_node, [], code, run_dir)
 
 
 def submit_conversion(cfg: RunConfig, layout: Layout, run_dir: Path, stage: int, slurm_conf: Optional[str],
@@ -258,8 +305,8 @@ def submit_conversion(cfg: RunConfig, layout: Layout, run_dir: Path, stage: int,
     if slurm_conf:
         os.environ["SLURM_CONF"] = slurm_conf
     call = TaskCall(CONVERT, (str(run_dir), stage))
-    return str(submitit_adapter.submit(call, run_dir / "slurm", conversion_parameters(cfg, layout, code), 0,
-                                       *_task_python(code)).job_id)
+    return str(submitit_adapter.submit(call, run_dir / "slurm", conversion_parameters(cfg, layout, code, run_dir), 0,
+                                       job_pythons(cfg, code)[0], _task_python(code)[1]).job_id)
 
 
 # Elements per job array: Slurm's default MaxArraySize is 1001 (indices 0..1000).
@@ -306,11 +353,11 @@ def _submit_one_array(cfg: RunConfig, layout: Layout, run_dirs: List[Path], slur
     uid = uuid.uuid4().hex[:12]
     base = sweep_dir / ".arrays" / uid
     base.mkdir(parents=True)
-    params = dict(slurm_parameters(cfg, layout, code), map_count=len(run_dirs),
+    params = dict(slurm_parameters(cfg, layout, code, run_dir=run_dirs[0]), map_count=len(run_dirs),
                   array_parallelism=min(parallel or len(run_dirs), len(run_dirs)))
     if after:
         params["additional_parameters"] = {**params["additional_parameters"], "dependency": f"afterany:{after}"}
-    script = submitit_adapter.render(params, base / "%a", *_task_python(code))
+    script = submitit_adapter.render(params, base / "%a", job_pythons(cfg, code)[0], _task_python(code)[1])
     (base / "submission.sh").write_text(script)
     pending = []
     for i, run_dir in enumerate(run_dirs):

@@ -17,6 +17,10 @@ that acts on the job:
   ``python -m slurm.request failed RUN_DIR CALL ERROR`` (:func:`record_failure`) where
   the batch script's host has the tasks' Python (not in a container whose Python only
   the image has: then only the job's log, ``slurm/JOB_0_log.err``, says it).
+- A step that failed without a task's request (one died of a signal or exited non-zero
+  and srun's ``--kill-on-bad-exit`` ended the others before they recorded it) is recorded
+  from srun's own report (:func:`srun_report`, read from the batch script's stderr) by
+  ``python -m train.harness.restart after-srun``, which restarts it by the tasks' rules.
 - Before a segment's first srun the batch script writes ``RUN_DIR/slurm_job.txt``:
   ``scontrol show job -o`` (EndTime in epoch seconds: the time limit, which tells a
   timeout from a preemption: :func:`seconds_left`) and its partition's nodes as
@@ -33,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from slurm.query import parse_job_fields, parse_usable_nodes
 from spec.rundir import SLURM_JOB, SLURM_REQUEST, Status, update_run_json
@@ -119,6 +123,56 @@ def record_failure(run_dir: str | Path, call: str, error: str) -> None:
     fields = _FAILED.get(call)
     if fields is not None:
         update_run_json(run_dir, **fields(" ".join(error.split()) or f"scontrol {call} failed"))
+
+
+# srun's line for tasks that ended badly (srun(1) of Slurm 22.05 prints one per node and
+# outcome as the exits reach it): "srun: error: node2: task 3: Killed", "... tasks 0-1:
+# Exited with exit code 1", "... task 5: Segmentation fault (core dumped)", "... task 2:
+# Out Of Memory". With --kill-on-bad-exit the first is the task that died; then srun
+# "Terminating StepId=J.S" sends its peers SIGTERM (SIGKILL after KillWait) and reports
+# them "Terminated" (seen with Slurm 22.05; srun exits 143 then).
+_SRUN_TASKS = re.compile(r"^srun: error: (?P<node>[^:\s]+): tasks? (?P<tasks>\d[\d,-]*): (?P<what>.+?)\s*$")
+_EXIT = re.compile(r"^Exited with exit code (\d+)$")
+
+
+def srun_report(text: str) -> Optional[Dict[str, Any]]:
+    """What srun's stderr ``text`` (the step's part of the batch script's log) says of the
+    first task that ended badly: its ``task`` (SLURM_PROCID), ``node``, ``signal`` (a
+    name: SIGKILL, SIGSEGV, ...; an OOM kill is SIGKILL with ``oom``; an exit code of
+    128 + N is signal N, as a shell reports its child's) and ``exit_code``, and srun's
+    ``line``; None when srun named no task."""
+    import signal
+
+    names = {signal.strsignal(s).lower(): s.name for s in signal.Signals if signal.strsignal(s)}
+    for line in text.splitlines():
+        found = _SRUN_TASKS.match(line.strip())
+        if found is None:
+            continue
+        what = found["what"].removesuffix(" (core dumped)")
+        report: Dict[str, Any] = {"task": int(re.split(r"[,-]", found["tasks"])[0]), "node": found["node"],
+                                  "signal": None, "exit_code": None, "line": line.strip()}
+        code = _EXIT.match(what)
+        if code:  # 128 + N: the task wrapper's (slurm/task_wrapper.sh) Python died of signal N
+            report["exit_code"] = int(code.group(1))
+            if report["exit_code"] - 128 in signal.valid_signals():
+                report["signal"] = signal.Signals(report["exit_code"] - 128).name
+        elif what.lower() == "out of memory":
+            report.update(signal="SIGKILL", oom=True)
+        else:
+            report["signal"] = names.get(what.lower(), what)
+        return report
+    return None
+
+
+def read_from(path: str | Path, offset: int, limit: int = 1 << 20) -> str:
+    """The text of ``path`` from byte ``offset`` on (at most ``limit`` bytes); "" when it
+    cannot be read (the batch script's stderr is not a file outside sbatch)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, int(offset)))
+            return f.read(limit).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return ""
 
 
 def main(argv: List[str]) -> int:

@@ -12,8 +12,9 @@
 #   STO_RESTARTS     cluster.in_job_restarts: restarts of the step inside the job (0: it runs
 #                    once, and STO_IN_JOB_RESTART is not set)
 #   STO_GRACE_S      seconds a task may outlive the restart's request (restart_grace_s)
-#   STO_PYTHON       the command (shell words) that starts Python with this project importable:
-#                    records a failed Slurm call in run.json (python -m slurm.request failed)
+#   STO_PYTHON       the command (shell words) that starts Python with this project importable
+#                    here, outside any container: records a failed Slurm call (python -m
+#                    slurm.request failed) and a step that failed unrecorded in run.json
 #   STO_REQUEST      RUN_DIR's file of what a task asks of Slurm (spec.rundir.SLURM_REQUEST)
 #   STO_RESTART      RUN_DIR's file of a task's restart request (spec.rundir.RESTART)
 #   STO_FACTS        RUN_DIR's file of the job's facts for the tasks (spec.rundir.SLURM_JOB)
@@ -44,6 +45,13 @@
 #    failed to bind its port waits until train.dist_timeout_s): the loop ends the step
 #    (scancel --signal=KILL of its newest step, in the background, and srun killed) and
 #    starts the next. The teardown sees the last step's exit status (and uses sto_job).
+#    A step that failed without RESTART (srun's --kill-on-bad-exit: a task died of a signal
+#    or exited non-zero and srun SIGTERMed its peers before any recorded it) is handed to
+#    `STO_PYTHON -m train.harness.restart after-srun` with srun's exit status and where its
+#    messages begin in this script's stderr ("srun: error: NODE: task N: Killed"): run.json
+#    gets the failure (rank_failure: the task, its node, the signal) unless a task recorded
+#    one, and RESTART is written by the tasks' own rules (never before the run's first step,
+#    nor twice for the same error at the same step). The loop goes on as for a task's request.
 # `wait -n` (bash >= 4.3) wakes at the step's end or after a second, whichever is first.
 #
 # With hot spares (cluster.spare_nodes=K > 0: sbatch --nodes=N+K --no-kill; STO_SPARES=0 is
@@ -69,6 +77,12 @@ sto_drop=  # with spares: the nodes this job's restarts dropped (RESTART's exclu
 sto_failed() {
   echo "job $sto_job: scontrol $2 failed: $3" >&2
   eval "$STO_PYTHON"' -m slurm.request failed "$@"' || echo "job $sto_job: not recorded in run.json" >&2
+}
+sto_after_srun() {  # $1: RUN_DIR, $2: srun's exit status, $3: which start, $4: where its messages begin
+  local log; log=$(readlink "/proc/$$/fd/2" 2>/dev/null)
+  [ -f "$log" ] || log=/dev/null
+  eval "$STO_PYTHON"' -m train.harness.restart after-srun "$1" "$2" "$3" "$STO_RESTARTS" "$log" "$4"' ||
+    echo "job $sto_job: the failed step is not recorded in run.json" >&2
 }
 sto_kill_srun() {  # the step's srun, $! (a subshell: srun is its child); /proc first, pkill if need be
   local kids; kids=$(cat /proc/"$1"/task/*/children 2>/dev/null) || kids=$(pgrep -P "$1" 2>/dev/null)
@@ -106,7 +120,7 @@ sto_request() {
   esac
 }
 srun() {
-  local folder="${*: -1}" code i=0 pid waited drop spare=()
+  local folder="${*: -1}" code i=0 pid waited drop from spare=()
   local dir="${folder//%a/$SLURM_ARRAY_TASK_ID}/.."
   { SLURM_TIME_FORMAT=%s sto_slurm scontrol show job -o "$SLURM_JOB_ID"
     sto_slurm sinfo -h -N -p "$SLURM_JOB_PARTITION" -o '%N|%t|%f'; } 2>/dev/null > "$dir/$STO_FACTS"
@@ -115,6 +129,7 @@ srun() {
     if [ "$STO_SPARES" -gt 0 ]; then  # the training nodes of the job's, without those dropped
       spare=(--nodes="$STO_STEP_NODES" --ntasks="$STO_STEP_NTASKS" --overlap ${sto_drop:+"--exclude=$sto_drop"})
     fi
+    from=$(stat -L -c %s "/proc/$$/fd/2" 2>/dev/null) || from=0  # srun's messages follow (this script's stderr)
     if [ "$STO_RESTARTS" -gt 0 ]; then
       STO_IN_JOB_RESTART=$i sto_slurm srun "${spare[@]}" "$@" &
     else
@@ -137,6 +152,7 @@ srun() {
     wait "$pid"
     code=$?
     sto_request "$dir" && exit 0
+    [ "$code" -ne 0 ] && [ ! -e "$dir/$STO_RESTART" ] && sto_after_srun "$dir" "$code" "$i" "$from"
     [ "$code" -ne 0 ] && [ -e "$dir/$STO_RESTART" ] && [ "$i" -lt "$STO_RESTARTS" ] || return "$code"
     i=$((i + 1))
     if [ "$STO_SPARES" -gt 0 ]; then

@@ -31,6 +31,13 @@ class ClusterConfig:
     #           a site that binds per task by default gives).
     # The task harness checks what it finds against this and refuses a mismatch at start.
     gpu_binding: str = "node"
+    # Which CPUs each rank runs on (train/harness/affinity.py):
+    #   "gpu":  next to its GPU: the CPUs of its GPU's NUMA node that the task was given,
+    #           shared evenly by the node's ranks whose GPUs are there (CPU profiles: an
+    #           even split of the task's CPUs among the node's ranks); an explicit
+    #           --cpu-bind in srun_args, or a task srun already bound, is kept;
+    #   "none": left to Slurm (--cpus-per-task, the site's binding, srun_args).
+    cpu_bind: str = "gpu"
     # CPUs Slurm may schedule on one node (`scontrol show node`: CPUTot, less the cores a
     # site keeps for itself with CoreSpecCount/CpuSpecList); null = unknown. With it,
     # cpus_per_task x gpus_per_node is checked against it before submission (a job asking
@@ -120,6 +127,12 @@ class ClusterConfig:
     container_image: Optional[str] = None
     container_mounts: List[str] = field(default_factory=list)
     container_workdir: Optional[str] = None
+    # The Python of the job's tasks: an absolute path or a command on the tasks' PATH.
+    # null: with container_image, the image's own `python` (on the container's PATH; the
+    # login host's interpreter is not inside the image); without one, the interpreter the
+    # launcher runs on (the nodes must see it, as a venv on a shared file system). The
+    # batch script's own helpers run outside the container, on the launcher's interpreter.
+    python: Optional[str] = None
     # Path of slurm.conf to use; null: $SLURM_CONF, else the system default. The localslurm
     # profile sets "auto": the cluster started by `make cluster-up` is found by itself.
     slurm_conf: Optional[str] = None

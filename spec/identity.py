@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING, Dict, Optional
 if TYPE_CHECKING:  # not imported at run time: the preemption flag imports this before its handler exists
     from spec.layout import Layout
 
+# run.json ``failure`` of a task whose rank does not follow block order (:meth:`TaskIdentity.order_error`):
+# refused at start, as a task that cannot take its device (train/harness/outcome.py).
+RANK_ORDER = "rank_order"
+
 # The variables torchrun gives every worker, in the order :meth:`TaskIdentity.torchrun_vars` writes them.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -53,6 +57,20 @@ class TaskIdentity:
         return cls(rank=rank, world_size=layout.world_size, local_rank=local, local_world_size=layout.gpus_per_node,
                    node_rank=node, master_addr=master_addr, master_port=master_port, job_id=job_id,
                    restart_count=0, launcher=launcher)
+
+    def order_error(self) -> Optional[str]:
+        """Why an srun task's rank does not follow block order, in one line, or None: the
+        layout numbers ranks node by node (tensor parallel groups inside a node), so task
+        SLURM_PROCID must be SLURM_NODEID x tasks per node + SLURM_LOCALID; a cyclic, plane
+        or arbitrary distribution (srun's --distribution, SLURM_DISTRIBUTION) numbers them
+        otherwise. Other launchers' ranks are theirs (torchrun numbers node by node)."""
+        block = self.node_rank * self.local_world_size + self.local_rank
+        if self.launcher != "srun" or self.rank == block:
+            return None
+        return (f"task SLURM_PROCID={self.rank} on SLURM_NODEID={self.node_rank} with SLURM_LOCALID="
+                f"{self.local_rank} ({self.local_world_size} tasks a node) is not in block order (rank {block} "
+                "there): ranks must be numbered node by node; remove --distribution from cluster.srun_args "
+                "(and SLURM_DISTRIBUTION from the environment) or use --distribution=block")
 
     def torchrun_vars(self) -> Dict[str, str]:
         """The variables torchrun gives this worker (``TORCHRUN_VARS``)."""

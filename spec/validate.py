@@ -20,6 +20,7 @@ _CHOICES = {
     "cluster.backend": ("local", "slurm"),
     "cluster.accelerator": ("cpu", "gpu"),
     "cluster.gpu_binding": ("node", "task"),
+    "cluster.cpu_bind": ("gpu", "none"),
     "strategy.engine": ("torch", "deepspeed"),
     "strategy.data_parallel": ("ddp", "fsdp", "none"),
     "strategy.mixed_precision": ("auto", "fp32", "bf16"),
@@ -108,10 +109,16 @@ OWNED_SBATCH = {
     "array": "a sweep (-m), whose identical points become one job array",
     "container-image": "cluster.container_image", "container-mounts": "cluster.container_mounts",
     "container-workdir": "cluster.container_workdir",
+    "container-name": "cluster.container_image (the container's name follows the image)",
+    "kill-on-bad-exit": "nothing: a task that dies ends the step at once, and the step loop restarts it "
+                        "(cluster.in_job_restarts)",
 }
 _SHORT = {"N": "nodes", "n": "ntasks", "c": "cpus-per-task", "t": "time", "o": "output", "e": "error",
           "J": "job-name", "p": "partition", "A": "account", "q": "qos", "C": "constraint", "x": "exclude",
-          "u": "unbuffered"}
+          "u": "unbuffered", "K": "kill-on-bad-exit", "m": "distribution"}
+# srun(1) --distribution's first parts that number ranks otherwise than node by node (block):
+# the layout keeps tensor parallel groups inside a node; each task's rank is SLURM_PROCID.
+_NOT_BLOCK = ("cyclic", "plane", "arbitrary")
 _OPTION_NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
 
 # The hang watchdog checks once a second and, once it fires, waits 3 s for every rank to
@@ -244,10 +251,36 @@ def _check_slurm_options(cfg: RunConfig) -> None:
         if name in OWNED_SBATCH or name == "unbuffered":
             use = OWNED_SBATCH.get(name, "nothing: the toolkit sets it")
             raise ConfigError(f"cluster.srun_args[{i}]={arg!r}: the toolkit sets --{name} itself; use {use} instead")
+        if name == "distribution":
+            check_distribution(f"cluster.srun_args[{i}]", arg, arg.partition("=")[2] if arg.startswith("--")
+                               else arg[2:].lstrip("="))
     for i, mount in enumerate(c.container_mounts):
         if "," in mount or not mount:
             raise ConfigError(f"cluster.container_mounts[{i}]={mount!r}: one mount per item, SRC:DST[:FLAGS] "
                               "without commas")
+    _check_python(cfg)
+
+
+def check_distribution(key: str, given: str, value: str) -> None:
+    """srun's ``--distribution`` ``value`` (``key`` gives it as ``given``): block only (srun's default)."""
+    first = value.split(":", 1)[0].split(",", 1)[0].split("=", 1)[0].strip().lower()
+    if first in _NOT_BLOCK:
+        raise ConfigError(f"{key}={given!r}: {first} distribution numbers ranks across nodes, but the layout needs "
+                          "them node by node (SLURM_PROCID = SLURM_NODEID x tasks per node + SLURM_LOCALID: tensor "
+                          "parallel groups inside a node); remove it or use --distribution=block")
+
+
+def _check_python(cfg: RunConfig) -> None:
+    """cluster.python: a Slurm job's, an absolute path or a command the tasks' PATH finds."""
+    python = cfg.cluster.python
+    if python is None:
+        return
+    if cfg.cluster.backend != "slurm":
+        raise ConfigError(f"cluster.python={python!r} is the interpreter of a Slurm job's tasks, but "
+                          f"cluster.backend={cfg.cluster.backend} runs them with the launcher's own; remove it")
+    if not python.strip() or python != python.strip() or ("/" in python and not python.startswith("/")):
+        raise ConfigError(f"cluster.python={python!r} is not an interpreter every task finds alike; give an absolute "
+                          "path (/opt/conda/bin/python) or a command on the tasks' PATH (python3), or null")
 
 
 def _check_resources(cfg: RunConfig) -> None:

@@ -333,3 +333,144 @@ def test_a_task_that_outlives_the_restart_request_is_ended_after_the_grace(tmp_p
     assert "a task still runs 2 s after the restart was asked: ending step" in proc.stderr
     assert "the step failed (exit 137" in proc.stderr and "restart 1 of 3 inside job 41" in proc.stderr
 
+
+
+# --- a task that dies without a word: srun's --kill-on-bad-exit, then the step loop --------
+
+KILLED = {"task": 3, "node": "node2", "signal": "SIGKILL", "exit_code": None,
+          "line": "srun: error: node2: task 3: Killed"}
+
+
+def beat(run_dir: Path, rank: int, step: int, at: float | None = None) -> None:
+    """A rank's heartbeat as its watchdog writes it (train/harness/watchdog.py)."""
+    (run_dir / "heartbeat").mkdir(exist_ok=True)
+    (run_dir / "heartbeat" / f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "step": step, "phase": "compute", "time": time.time() if at is None else at}))
+
+
+def running(run_dir: Path, segment: int = 0) -> None:
+    started_segment(run_dir, segment)
+    update_run_json(run_dir, job_id="41", started_at=time.time() - 5)
+
+
+def test_a_task_killed_without_a_word_is_recorded_from_srun_and_restarted(tmp_path):
+    """Rank 3 SIGKILLed at step 6 (its peers killed by srun's --kill-on-bad-exit, nobody
+    recorded anything): run.json gets rank_failure as srun named it, the entry names the
+    task, its node and the signal, and RESTART is written; the same signal at the same step
+    once more is a crash loop."""
+    from train.harness.restart import after_srun
+
+    running(tmp_path)
+    beat(tmp_path, 0, 5)
+    beat(tmp_path, 3, 4, at=time.time() - 3600)  # an earlier segment's beat: not this one's
+    assert after_srun(tmp_path, 137, 0, 3, "41", KILLED, print)
+    info = read_run_json(tmp_path)
+    assert (info["status"], info["failure"], info["dead_ranks"], info["dead_hosts"]) == (
+        "restarting", "rank_failure", [3], ["node2"])
+    assert info["error"] == "srun: task 3 on node2 killed by SIGKILL and no task recorded a failure (srun exit 137)"
+    [entry] = info["in_job_restarts"]
+    assert {k: entry[k] for k in ("reason", "rank", "node", "signal", "exit_code", "srun_exit", "step", "srun")} == {
+        "reason": "rank_failure", "rank": 3, "node": "node2", "signal": "SIGKILL", "exit_code": None,
+        "srun_exit": 137, "step": 6, "srun": 0}
+    assert entry["srun_error"] == KILLED["line"] and json.loads((tmp_path / RESTART).read_text()) == entry
+    (tmp_path / RESTART).unlink()
+    running(tmp_path, 1)
+    beat(tmp_path, 0, 5)
+    assert not after_srun(tmp_path, 137, 1, 3, "41", dict(KILLED, task=1, node="node1"), print)
+    info = read_run_json(tmp_path)
+    assert info["status"] == "failed" and info["in_job_restart"].startswith("not restarted: crash loop")
+    assert not (tmp_path / RESTART).exists()
+
+
+def test_an_unrecorded_failure_before_the_first_step_ends_the_run(tmp_path):
+    from train.harness.restart import after_srun
+
+    running(tmp_path)
+    report = {"task": 0, "node": "node1", "signal": None, "exit_code": 1,
+              "line": "srun: error: node1: task 0: Exited with exit code 1"}
+    assert not after_srun(tmp_path, 1, 0, 3, "41", report, print)
+    info = read_run_json(tmp_path)
+    assert info["status"] == "failed" and "task 0 on node1 exited with code 1" in info["error"]
+    assert info["in_job_restart"] == "not restarted: failed before the run's first step"
+    running(tmp_path)  # a user's code that logged no step: unknown, restarted by the other rules
+    (tmp_path / "entrypoint.json").write_text("{}")
+    assert after_srun(tmp_path, 139, 0, 3, "41", None, print)
+    [entry] = read_run_json(tmp_path)["in_job_restarts"]
+    assert (entry["rank"], entry["node"], entry["signal"], entry["step"]) == (None, None, "SIGSEGV", 1)
+
+
+def test_what_a_task_recorded_or_slurm_ended_is_left_to_them(tmp_path, no_slurm):
+    """srun's report changes nothing a task decided (a refusal is in run.json), nor a step
+    that Slurm ended (USR2 before the handler: the teardown requeues; SIGTERM: scancel);
+    a failure a task recorded but was killed before deciding is decided with its record."""
+    from train.harness.restart import after_srun
+
+    running(tmp_path)
+    beat(tmp_path, 0, 5)
+    for code, report in ((0, None), (140, None), (143, None), (143, dict(KILLED, signal="SIGTERM"))):
+        assert not after_srun(tmp_path, code, 0, 3, "41", report, print)
+    assert read_run_json(tmp_path)["status"] == "running"
+    update_run_json(tmp_path, status="failed", error=ERROR, failed_rank=1, failed_node="node1",
+                    in_job_restart="not restarted: crash loop: ...")
+    assert not after_srun(tmp_path, 137, 0, 3, "41", KILLED, print)
+    update_run_json(tmp_path, in_job_restart=None)  # recorded, then killed by srun before it asked
+    assert after_srun(tmp_path, 137, 0, 3, "41", KILLED, print)
+    [entry] = read_run_json(tmp_path)["in_job_restarts"]
+    assert (entry["reason"], entry["error"], entry["rank"], entry["node"], entry["signal"]) == (
+        "error", ERROR, 1, "node1", "SIGKILL")
+
+
+def test_a_users_code_that_took_sruns_sigterm_for_a_cancel_is_restarted(tmp_path):
+    """srun's --kill-on-bad-exit ends a dead task's peers with SIGTERM, which a user's code
+    takes for a scancel (rank 0 records ``interrupted``, ``terminated``): srun's report of
+    a task that died first makes it the failure it was, and restarts it."""
+    from train.harness.restart import after_srun
+
+    running(tmp_path)
+    beat(tmp_path, 0, 3)
+    (tmp_path / "entrypoint.json").write_text("{}")
+    update_run_json(tmp_path, status="interrupted", last_interruption="terminated")
+    assert after_srun(tmp_path, 137, 0, 3, "41", KILLED, print)
+    info = read_run_json(tmp_path)
+    assert (info["status"], info["failure"], info["last_interruption"]) == ("restarting", "rank_failure", None)
+    update_run_json(tmp_path, status="interrupted", last_interruption="terminated", in_job_restarts=[])
+    assert not after_srun(tmp_path, 143, 1, 3, "41", None, print)  # a scancel's SIGTERM: srun named nobody first
+
+
+SILENT_SRUN = """#!/bin/bash
+# A stand-in for srun whose first step's task 1 is SIGKILLed on node2 (srun's lines on its
+# stderr, the batch script's, as Slurm 22.05 prints them), its peers SIGTERMed for it; the
+# next step ends well.
+echo "${STO_IN_JOB_RESTART:-unset} $*" >> "$CALLS"
+if [ "$(wc -l < "$CALLS")" -eq 1 ]; then
+  echo "srun: error: node2: task 1: Killed" >&2
+  echo "srun: launch/slurm: _step_signal: Terminating StepId=41.0" >&2
+  echo "srun: error: node1: task 0: Terminated" >&2
+  exit 143
+fi
+exit 0
+"""
+
+
+def test_the_loop_records_and_restarts_a_step_whose_task_died_without_a_word(tmp_path):
+    """The rendered batch script with srun stood in for: a step that ended with 137 and no
+    RESTART goes to `python -m train.harness.restart after-srun`, which reads srun's lines
+    from the script's stderr (a file, as sbatch's --error gives it) and restarts."""
+    import sys
+
+    cfg = compose_run(["+cluster=localslurm", "launcher.snapshot=false"])
+    run_dir = tmp_path / "run dir"
+    (run_dir / "slurm").mkdir(parents=True)
+    running(run_dir)
+    beat(run_dir, 0, 5)
+    script = render_script(cfg, build_layout(cfg), run_dir, python=shlex.quote(sys.executable), wrapper="/w.sh")
+    log = tmp_path / "err"  # the batch script's stderr, an earlier segment's line in it already
+    log.write_text("srun: error: node9: task 7: Killed\n")
+    script = script.replace("#!/bin/bash\n", f"#!/bin/bash\nexec 2>>{shlex.quote(str(log))}\n", 1)
+    proc = run_step_loop(tmp_path, script, SILENT_SRUN, {})
+    err = log.read_text()
+    assert proc.returncode == 0, err
+    assert [c.split()[0] for c in (tmp_path / "calls").read_text().splitlines()] == ["0", "1"]
+    assert "the step failed (exit 143" in err and "restart 1 of 3 inside job 41" in err
+    [entry] = read_run_json(run_dir)["in_job_restarts"]
+    assert (entry["rank"], entry["node"], entry["signal"], entry["step"]) == (1, "node2", "SIGKILL", 6)

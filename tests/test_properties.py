@@ -228,7 +228,8 @@ def test_hostile_run_dir_is_refused_or_reaches_the_job_exactly(value):
     assert _sbatch_flag(script, "--error") == f"{folder}/%j_0_log.err"
     words = _run_script(script)
     assert words["srun"] == ["--unbuffered", "--output", f"{folder}/%j_%t_log.out", "--error",
-                             f"{folder}/%j_%t_log.err", f"--cpus-per-task={cfg.cluster.task_cpus()}", "/bin/bash",
+                             f"{folder}/%j_%t_log.err", f"--cpus-per-task={cfg.cluster.task_cpus()}",
+                             "--kill-on-bad-exit=1", "/bin/bash",
                              "/opt/sto/task_wrapper.sh", "python", "-u",
                              "-m", "submitit.core._submit", folder]
 

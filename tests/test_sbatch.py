@@ -125,6 +125,13 @@ MAN = {
                             "count': SLURM_NTASKS from sbatch --ntasks)",
     "srun --gpu-bind": "srun(1) --gpu-bind=per_task:1: 'Each task will be bound to the number of gpus specified "
                        "in <gpus_per_task>. Gpus are assigned in order to tasks'",
+    "srun --kill-on-bad-exit": "srun(1) -K: 'Controls whether or not to terminate a step if any task exits with a "
+                               "non-zero exit code' (=1: terminate; a task killed by a signal exits non-zero)",
+    "srun --container-image": "pyxis (srun --help): 'the image to use for the container filesystem'",
+    "srun --container-mounts": "pyxis: 'bind mount[s] inside the container', SRC:DST[:FLAGS] separated by ','",
+    "srun --container-name": "pyxis: 'name to use for saving and loading the container on the host ... If a "
+                             "container with this name already exists, the existing container is used and the "
+                             "import is skipped'",
 }
 
 
@@ -153,6 +160,8 @@ GPU_GOLDENS = [
     ("h100x8_2nodes.sbatch", "h100x8", []),
     ("h100x8_2nodes_task.sbatch", "h100x8", ["cluster.gpu_binding=task"]),
     ("h200x8_2nodes.sbatch", "h200x8", []),
+    ("h100x8_2nodes_container.sbatch", "h100x8", ["cluster.container_image=nvcr.io/nvidia/pytorch:25.01-py3",
+                                                  "cluster.container_mounts=['/lustre/data:/data:ro']"]),
 ]
 
 
@@ -162,7 +171,7 @@ def _gpu_golden(cluster: str, overrides: list):
     return cfg, portable(render_script(cfg, build_layout(cfg), RUN_DIR, python="/opt/venv/bin/python", wrapper=WRAPPER))
 
 
-@pytest.mark.parametrize("name,cluster,overrides", GPU_GOLDENS[1:])  # a100x8's: test_golden_a100x8_two_nodes
+@pytest.mark.parametrize("name,cluster,overrides", GPU_GOLDENS[1:-1])  # a100x8's, the container's: their own
 def test_golden_gpu_profiles(name, cluster, overrides):
     _, script = _gpu_golden(cluster, overrides)
     golden = GOLDEN / name
@@ -263,3 +272,72 @@ def test_a_frozen_run_sources_the_step_loop_of_its_copy():
     assert f"/bin/bash {copy}/slurm/task_wrapper.sh " in script and str(submitit_adapter.STEP_LOOP) not in script
     assert f". {shlex.quote(str(submitit_adapter.STEP_LOOP))} || exit 1" in render_script(cfg, build_layout(cfg),
                                                                                           RUN_DIR)
+
+
+CONTAINER = Path("/scratch/runs/.code/0123abcd")  # the run's frozen code, beside its run directory
+
+
+def test_golden_container_job():
+    """h100x8 in pyxis's container (the image, a site mount), the run's code frozen: the
+    tasks start the image's ``python`` (not the login host's venv) from the frozen copy's
+    task wrapper; srun mounts the directory holding the run directory and its .code/
+    copy at the same path inside, names the container after the image (restarts and later
+    steps reuse it), and kills the step when a task dies (--kill-on-bad-exit=1); the batch
+    script's step loop and its helpers run outside the container, on this interpreter."""
+    from launcher.snapshot import PROJECT, Frozen
+
+    name, cluster, overrides = GPU_GOLDENS[-1]
+    cfg = _compose([f"+cluster={cluster}", "cluster.nodes=2", "+model=llama3_8b", "+strategy=ddp", *overrides])
+    validate(cfg)
+    script = render_script(cfg, build_layout(cfg), RUN_DIR, python="/opt/venv/bin/python -P",
+                           code=Frozen(((PROJECT, CONTAINER),), {}))
+    golden = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert script == golden.read_text()
+    step = srun_flags(script)
+    assert step["--container-mounts"] == "/lustre/data:/data:ro,/scratch/runs:/scratch/runs"
+    assert step["--container-name"].startswith("sto-pytorch-25.01-py3-") and step["--kill-on-bad-exit"] == "1"
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert f"/bin/bash {CONTAINER}/slurm/task_wrapper.sh python -u -m submitit.core._submit" in srun
+    assert "STO_PYTHON='/opt/venv/bin/python -P'" in script and f"export PYTHONPATH={CONTAINER}" in script
+
+
+@pytest.mark.parametrize("overrides,tasks,loop", [
+    ([], None, None),  # this interpreter: the tasks' and the loop's
+    (["cluster.python=/opt/conda/bin/python"], "/opt/conda/bin/python", "/opt/conda/bin/python"),
+    (["cluster.container_image=img"], "python", None),  # the image's; the loop on the host
+    (["cluster.container_image=img", "cluster.python=python3.12"], "python3.12", None),
+])
+def test_the_jobs_python_follows_cluster_python_and_the_image(overrides, tasks, loop):
+    import sys
+
+    cfg = _compose(["+cluster=localslurm", *overrides])
+    validate(cfg)
+    script = render_script(cfg, build_layout(cfg), RUN_DIR)
+    here = shlex.quote(sys.executable)
+    srun = shlex.split(next(line for line in script.splitlines() if line.startswith("srun ")))
+    wrapper = srun.index(str(submitit_adapter.TASK_WRAPPER))
+    assert srun[wrapper + 1] == (tasks or sys.executable)
+    assert f"STO_PYTHON={shlex.quote(loop or here)}\n" in script
+
+
+@pytest.mark.parametrize("override,message", [
+    ("cluster.python=venv/bin/python", "cluster.python='venv/bin/python' is not an interpreter every task finds"),
+    ("cluster.python=' '", "is not an interpreter every task finds alike"),
+])
+def test_cluster_python_is_refused_when_tasks_would_not_find_it(override, message):
+    from spec.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate(_compose(["+cluster=localslurm", override]))
+    with pytest.raises(ConfigError, match="is the interpreter of a Slurm job's tasks"):
+        validate(_compose(["cluster.python=/usr/bin/python3"]))
+
+
+def test_a_run_directory_that_would_split_the_container_mounts_is_refused():
+    from spec.config import ConfigError
+
+    cfg = _compose(["+cluster=localslurm", "cluster.container_image=img"])
+    with pytest.raises(ConfigError, match="split pyxis's --container-mounts"):
+        render_script(cfg, build_layout(cfg), Path("/scratch/a,b/run"))

@@ -52,3 +52,36 @@ def test_ports_differ_between_jobs_and_stay_in_range():
     assert min(restarts) >= 25000 and max(restarts) < 32000
     assert len({rendezvous_port("4242", restart=k) for k in range(8)}) == 8
     assert rendezvous_port("77_3") == rendezvous_port("773")
+
+
+@pytest.mark.parametrize("arg", ["--distribution=cyclic", "--distribution=plane=4", "--distribution=arbitrary",
+                                 "-mcyclic", "--distribution=Cyclic:block"])
+def test_a_distribution_other_than_block_is_refused_at_launch(arg):
+    """Ranks are numbered node by node while each task is started by srun (SLURM_PROCID):
+    srun's cyclic, plane and arbitrary distributions are refused in one line."""
+    from helpers import compose_run
+    from spec.config import ConfigError
+    from spec.validate import validate
+
+    with pytest.raises(ConfigError) as refused:
+        validate(compose_run(["+cluster=localslurm", f"cluster.srun_args=['{arg}']"]))
+    line = str(refused.value)
+    assert line.startswith(f"cluster.srun_args[0]={arg!r}:") and "--distribution=block" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("arg", ["--distribution=block", "--distribution=block:cyclic", "--distribution=*:block"])
+def test_block_distributions_pass(arg):
+    from helpers import compose_run
+    from spec.validate import validate
+
+    validate(compose_run(["+cluster=localslurm", f"cluster.srun_args=['{arg}']"]))
+
+
+@pytest.mark.parametrize("arg", ["--kill-on-bad-exit=0", "-K0", "--container-name=x"])
+def test_the_step_options_the_toolkit_sets_are_refused_in_srun_args(arg):
+    from helpers import compose_run
+    from spec.config import ConfigError
+    from spec.validate import validate
+
+    with pytest.raises(ConfigError, match="the toolkit sets --"):
+        validate(compose_run(["+cluster=localslurm", f"cluster.srun_args=['{arg}']"]))

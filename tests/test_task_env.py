@@ -119,3 +119,46 @@ def test_the_harness_context_is_the_identity_and_what_joining_gave():
 
     assert issubclass(DistContext, TaskIdentity)
     assert [f.name for f in fields(DistContext)][-3:] == ["hostname", "backend", "device"]
+
+
+# Task 1 of a 2-node step of 2 tasks a node under srun's cyclic distribution: on node 1 as
+# its first task (block order would have it on node 0, as its second).
+CYCLIC = {"SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",
+          "SLURM_NTASKS_PER_NODE": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_JOB_ID": "41",
+          "SLURM_JOB_NODELIST": "node[1-2]"}
+
+
+def test_a_task_out_of_block_order_is_named_with_the_variables_and_the_fix():
+    line = task_identity(CYCLIC).order_error()
+    assert line is not None and "\n" not in line
+    for part in ("SLURM_PROCID=1", "SLURM_NODEID=1", "SLURM_LOCALID=0", "2 tasks a node", "rank 2 there",
+                 "remove --distribution from cluster.srun_args", "--distribution=block"):
+        assert part in line
+    assert task_identity(SRUN).order_error() is None  # 5 = 1 x 4 + 1: block order
+    assert task_identity({**CYCLIC, "SLURM_PROCID": "2"}).order_error() is None
+    assert task_identity({**CYCLIC, **TORCHRUN}).order_error() is None  # torchrun's ranks are its own
+
+
+def test_a_task_out_of_block_order_is_refused_at_start(tmp_path, monkeypatch):
+    """The harness's start (train.harness.run._join) refuses it before any collective: one
+    line, run.json failed with failure rank_order, the job cancelled (its other tasks would
+    wait in the rendezvous), exit status 1."""
+    pytest.importorskip("torch")
+    from spec.config import to_yaml
+    from spec.rundir import CONFIG, SLURM_REQUEST, read_run_json, update_run_json
+    from train.harness.run import _join
+
+    (tmp_path / CONFIG).write_text(to_yaml(compose_run(["+cluster=localslurm", "cluster.nodes=2"])))
+    update_run_json(tmp_path, status="submitted")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in CYCLIC.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as ended:
+        _join(tmp_path)
+    assert ended.value.code == 1
+    info = read_run_json(tmp_path)
+    assert (info["status"], info["failure"]) == ("failed", "rank_order")
+    assert "SLURM_PROCID=1" in info["error"] and "--distribution=block" in info["error"]
+    assert "action=cancel" in (tmp_path / SLURM_REQUEST).read_text()
+    assert "not in block order" in (tmp_path / "logs" / "rank1.log").read_text()

@@ -20,6 +20,7 @@ from warm import pythonpath
 from helpers import compose_run
 from launcher import entrypoint
 from launcher.submit import render_script
+from launcher.snapshot import PROJECT
 from spec.config import ConfigError
 from spec.layout import build_layout
 from spec.rundir import read_metrics, read_run_json
@@ -116,7 +117,8 @@ def test_sbatch_extra_srun_args_and_containers_are_rendered_shell_safe(tmp_path)
     srun = shlex.split(next(line for line in lines if line.startswith("srun ")))
     assert srun[srun.index("--cpu-bind=cores"):srun.index("--cpu-bind=cores") + 5] == [
         "--cpu-bind=cores", "--mpi=pmix", "--container-image=nvcr.io/nvidia/pytorch:24.01-py3",
-        "--container-mounts=/data:/data,/my scratch:/scratch:ro", "--container-workdir=/work dir"]
+        f"--container-mounts=/data:/data,/my scratch:/scratch:ro,{tmp_path}:{tmp_path},{PROJECT}:{PROJECT}",
+        "--container-workdir=/work dir"]  # the run's parent and, unfrozen, the checkout: mounted where they are
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 

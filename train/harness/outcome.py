@@ -10,8 +10,8 @@ requeues are left (:mod:`train.harness.badnodes`); "completed" is
 preemption or a timeout and requeued unless the cap is reached. Requeues and cancels are
 asked of the batch script (:mod:`slurm.request`): the task calls no Slurm client. A task that cannot take
 its device (:mod:`spec.device`: no usable CUDA, GPUs shown otherwise than the binding
-says) is refused at start (:func:`refuse_start`): ``failed`` with ``no_cuda`` /
-``gpu_binding``, the job ended, no requeue.
+says) or whose rank is not in block order is refused at start (:func:`refuse_start`):
+``failed`` with ``no_cuda`` / ``gpu_binding`` / ``rank_order``, the job ended, no requeue.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from slurm import query
 from slurm.states import final
 from spec.config import RunConfig
 from spec.device import DeviceError
+from spec.identity import RANK_ORDER
 from spec.rundir import RENDEZVOUS, START_REFUSALS, Status, read_run_json, status_of, update_run_json
 from train.harness import preempt
 from train.harness.preempt import PreemptionFlag
@@ -57,7 +58,15 @@ def is_comm_error(exc: BaseException) -> bool:
 # exited looks like a dead node when it was its node's only rank); an own error that
 # names its node's hardware outranks it in turn.
 FAILURE_RANK = {None: 0, "communication": 1, RENDEZVOUS: 1.5, "rank_failure": 2, "node_failure": 3, "error": 3.2,
-                "hardware_fault": 3.5, "straggler": 3.5, "preflight_outlier": 4, "hang": 5, **{refusal: 6 for refusal in START_REFUSALS}}
+                "hardware_fault": 3.5, "straggler": 3.5, "preflight_outlier": 4, "hang": 5, **{refusal: 6 for refusal in (*START_REFUSALS, RANK_ORDER)}}
+
+
+class RankOrderError(DeviceError):
+    """A task whose rank is not in block order (:meth:`spec.identity.TaskIdentity.order_error`):
+    refused at start, before any collective, as one that cannot take its device."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line, RANK_ORDER)
 
 
 class StragglerError(RuntimeError):
@@ -129,7 +138,7 @@ def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int
         # Slurm notices a dead node only after SlurmdTimeout; until then the job would
         # hold the surviving nodes. End it now: the run is resumable elsewhere.
         preempt.cancel(run_dir, "a dead node, not requeued")
-    elif standing in START_REFUSALS:
+    elif standing in (*START_REFUSALS, RANK_ORDER):
         # Tasks that could take their device wait in the rendezvous for this one until
         # train.dist_timeout_s: end the job now (the same refusal awaits it on a requeue).
         preempt.cancel(run_dir, f"a task refused to start ({standing})")

@@ -27,23 +27,32 @@ place in the queue.
    new segment's start: :func:`note_start`) and, at its first metrics row,
    ``seconds_lost`` (:func:`note_first_row`): how much later the run did that step than
    it would have without the failure (the work redone plus the time down).
+
+A task that dies without a word (SIGKILL, the OOM killer, a segfault, SIGABRT) asks
+nothing, and srun's ``--kill-on-bad-exit`` ends its peers at once (SIGTERM, SIGKILL after
+Slurm's KillWait), before they could record it. The step loop then calls ``python -m train.harness.restart after-srun``
+(:func:`after_srun`): run.json gets the failure as srun reported it (``rank_failure``:
+the task, its node, the signal or exit code) and the same rules decide the restart.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
-from slurm.env import expand_hostlist
+from slurm.env import expand_hostlist, slurm_job_id
+from slurm.request import read_from, srun_report
 from slurm.states import restart_refusal
 from spec.config import to_run_config
 from spec.identity import TaskIdentity
-from spec.rundir import (CONFIG, EXCLUDING_FAILURES, RESTART, Status, change_run_json, read_metrics,
-                         read_run_json, status_of)
+from spec.rundir import (CONFIG, ENTRYPOINT, EXCLUDING_FAILURES, RESTART, Status, change_run_json, read_metrics,
+                         read_run_json, status_of, update_run_json)
 from train.harness.badnodes import write_exclude
 from train.harness.node_facts import slurm_names
 
@@ -73,14 +82,14 @@ class Restart:
 
 def request(run_dir: Path, budget: int, identity: TaskIdentity, segment: int, step: int, started: Optional[bool],
             log: Callable[[str], None], rank: Optional[int] = None, node: Optional[str] = None,
-            spares: Optional[int] = None) -> bool:
+            spares: Optional[int] = None, culprit: Optional[Dict[str, Any]] = None) -> bool:
     """After this task recorded a failure of segment ``segment`` at ``step``: True when the
     job restarts it (this task's request, or another task's of the segment). ``rank``,
     ``node``: the failing rank and its host when not this task's own (a hang's stuck rank).
     ``spares``: ``cluster.spare_nodes`` (None: as the run's config.yaml says); a failure
     that blames nodes (a dead node, a hardware fault: :data:`spec.rundir.EXCLUDING_FAILURES`)
     restarts without them while the job's spares cover every node its restarts dropped
-    (:func:`dropped_nodes`).
+    (:func:`dropped_nodes`). ``culprit``: the entry's rank, node, ... from srun (:func:`after_srun`).
     False without a step loop (a job submitted without one, torchrun, a local run)."""
     if identity.in_job_restart is None:
         return False
@@ -102,8 +111,8 @@ def request(run_dir: Path, budget: int, identity: TaskIdentity, segment: int, st
             decided["why"] = why
             return {"in_job_restart": f"not restarted: {why}"}
         entry = {"job_id": job, "segment": segment, "srun": srun, "reason": info.get("failure") or "error",
-                 "error": error, "step": step, **_culprit(info, identity, rank, node), "failed_at": time.time(),
-                 "restarted_at": None, "seconds_lost": None}
+                 "error": error, "step": step, **(culprit or _culprit(info, identity, rank, node)),
+                 "failed_at": time.time(), "restarted_at": None, "seconds_lost": None}
         fields: Dict[str, Any] = {}
         if drop is not None:  # a spare takes the blamed nodes' place (the step loop's srun --exclude)
             entry.update(dropped_nodes=drop[0], excluded_in_job=drop[1], spares_left=spares - len(drop[1]))
@@ -233,3 +242,113 @@ def note_first_row(run_dir: Path, identity: TaskIdentity, row: Mapping[str, Any]
         return {"in_job_restarts": entries}
 
     change_run_json(run_dir, change)
+
+
+# Signals with which Slurm or the job itself ends a step's tasks: the warning signal before
+# its handler (the batch script's teardown requeues that), SIGTERM (scancel, a time limit;
+# also what srun's --kill-on-bad-exit sends the peers of a task that died, which srun
+# reports after that task's own end), an interrupt, a hangup. Not a failure to restart.
+_SLURMS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# run.json statuses while a step's tasks have recorded no end of theirs.
+_UNRECORDED = (Status.SUBMITTED, Status.RUNNING, Status.RESTARTING)
+
+
+def after_srun(run_dir: Path, code: int, srun: int, budget: int, job: str, report: Optional[Dict[str, Any]],
+               log: Callable[[str], None]) -> bool:
+    """The step loop's call once srun ended with ``code`` and no task asked anything (no
+    RUN_DIR/RESTART, no request). srun's ``report`` (:func:`slurm.request.srun_report`)
+    names the first task that ended badly: when it died by itself (SIGKILL, the OOM
+    killer, a segfault, SIGABRT, a non-zero exit), srun's --kill-on-bad-exit ended its
+    peers with SIGTERM before any recorded it, or as a cancelled job's (a user's code
+    records ``interrupted``), or after it recorded its failure but before it decided.
+    run.json then gets the failure as srun names it (``rank_failure``: the task, its
+    node, the signal or exit code) unless a task recorded its own, and :func:`request`'s
+    rules decide (never before the run's first step, nor twice for the same error at the
+    same step). ``srun``: which start of the step this was; ``budget``:
+    ``cluster.in_job_restarts``; ``job``: the job's id. True when RESTART was written."""
+    first = report.get("signal") if report else (signal.Signals(code - 128).name if code - 128 in
+                                                 signal.valid_signals() else None)
+    if code == 0 or first in {s.name for s in _SLURMS}:
+        return False  # ended from outside (scancel, the time limit, the warning signal), or not at all
+    info = read_run_json(run_dir)
+    status, ours = status_of(info), str(info.get("job_id")) == str(job)
+    # a user's code takes the SIGTERM srun sent its peers for a scancel: not one when a task died first
+    echo = status is Status.INTERRUPTED and ours and info.get("last_interruption") == "terminated" and bool(report)
+    undecided = status is Status.FAILED and ours and info.get("in_job_restart") is None
+    if status not in _UNRECORDED and not echo and not undecided:
+        return False  # a task recorded its end and decided (a refusal, a requeue, a completion)
+    done = _last_step(Path(run_dir), float(info.get("started_at") or 0.0))
+    user = (Path(run_dir) / ENTRYPOINT).is_file()  # a user's code: its steps seen only when it logs them
+    started = True if done > 0 else (None if user else False)
+    culprit = srun_culprit(report, code)
+    error = culprit.pop("error")
+    if undecided and (info.get("failed_rank") is not None or info.get("dead_ranks")):
+        culprit.update(_culprit(info, _placeholder(job, srun), None, None))  # the task's own record first
+    elif not undecided:
+        update_run_json(run_dir, unless=lambda now: now.get("status") != info.get("status"), status=Status.FAILED,
+                        failure="rank_failure", error=error, ended_at=time.time(),
+                        dead_ranks=[] if culprit["rank"] is None else [culprit["rank"]],
+                        dead_hosts=[] if culprit["node"] is None else [culprit["node"]],
+                        **({"last_interruption": None} if echo else {}))
+    claimed = ours and status in (Status.RUNNING, Status.FAILED, Status.INTERRUPTED)  # this start's rank 0 did
+    segment = int(info.get("segments", 0)) - (1 if claimed else 0)
+    return request(Path(run_dir), budget, _placeholder(job, srun), max(0, segment), done + 1, started, log,
+                   spares=0, culprit=culprit)
+
+
+def srun_culprit(report: Optional[Dict[str, Any]], code: int) -> Dict[str, Any]:
+    """An in_job_restarts entry's culprit from srun's report (None: srun named no task) and
+    exit status ``code``, with the run's ``error`` line for it."""
+    sig = report.get("signal") if report else (signal.Signals(code - 128).name if 128 < code < 192 and code - 128 in
+                                               signal.valid_signals() else None)
+    exit_code = report.get("exit_code") if report else None
+    what = (f"killed by {sig}" + (" (out of memory)" if report and report.get("oom") else "")) if sig else \
+        f"exited with code {exit_code if exit_code is not None else code}"
+    what += f" (exit code {exit_code})" if sig and exit_code is not None else ""
+    error = (f"srun: task {report['task']} on {report['node']} {what} and no task recorded a failure (srun exit "
+             f"{code})" if report else f"srun: the step ended with exit {code}{f' ({sig})' if sig else ''}, naming "
+             "no task, and no task recorded a failure")
+    return {"rank": report["task"] if report else None, "node": report["node"] if report else None, "signal": sig,
+            "exit_code": exit_code, "srun_exit": code, "srun_error": report["line"] if report else None,
+            "error": error}
+
+
+def _placeholder(job: str, srun: int) -> TaskIdentity:
+    """The step loop's stand-in for a task: the job and which start of its step (no rank)."""
+    return TaskIdentity(rank=-1, world_size=0, local_rank=0, local_world_size=0, node_rank=0, master_addr="",
+                        master_port=0, job_id=job, restart_count=0, launcher="srun", in_job_restart=srun)
+
+
+def _last_step(run_dir: Path, since: float) -> int:
+    """The last step the run did in the segment that started at ``since`` (run.json's
+    ``started_at``), as the ranks' heartbeats and the metrics rows of that time say (0: none)."""
+    steps = [0]
+    for path in (run_dir / "heartbeat").glob("rank*.json"):
+        try:
+            beat = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(beat, dict) and float(beat.get("time") or 0) >= since - 1 and isinstance(beat.get("step"), int):
+            steps.append(beat["step"])
+    steps += [r["step"] for r in read_metrics(run_dir) if float(r.get("time") or 0) >= since - 1]
+    return max(steps)
+
+
+def main(argv: List[str]) -> int:
+    """``python -m train.harness.restart after-srun RUN_DIR CODE SRUN BUDGET [LOG OFFSET]``
+    (slurm/step_loop.sh): :func:`after_srun` for the step's srun that ended with CODE, its
+    start SRUN of the step and ``cluster.in_job_restarts=BUDGET``; srun's report is read
+    from LOG (the batch script's stderr) from byte OFFSET (where the step began)."""
+    if len(argv) not in (5, 7) or argv[0] != "after-srun" or not all(a.isdigit() for a in argv[2:5]):
+        print("usage: python -m train.harness.restart after-srun RUN_DIR CODE SRUN BUDGET [LOG OFFSET]",
+              file=sys.stderr)
+        return 2
+    run_dir, (code, srun, budget) = Path(argv[1]), map(int, argv[2:5])
+    report = srun_report(read_from(argv[5], int(argv[6]) if argv[6].isdigit() else 0)) if len(argv) == 7 else None
+    after_srun(run_dir, code, srun, budget, slurm_job_id() or "0", report,
+               lambda line: print(f"step loop: {line}", file=sys.stderr))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

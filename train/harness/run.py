@@ -34,10 +34,11 @@ from spec.layout import Layout, build_layout
 from spec.rundir import (CONFIG, SEGMENT_FAILURE, MetricsRow, Status, append_metrics, read_run_json, status_of,
                          update_run_json)
 from train.harness import restart
+from train.harness.affinity import bind_rank
 from train.harness.faults import Faults, take_rendezvous_port
 from train.harness.node_facts import write_node_facts
-from train.harness.outcome import (is_rendezvous_error, mark_stderr, record_failure, record_hang, record_outcome,
-                                   refuse_start, rendezvous_failed)
+from train.harness.outcome import (RankOrderError, is_rendezvous_error, mark_stderr, record_failure, record_hang,
+                                   record_outcome, refuse_start, rendezvous_failed)
 from train.harness.preempt import PreemptionFlag
 from train.harness.restart import Restart
 from train.harness.watchdog import Watchdog
@@ -196,6 +197,8 @@ def _join(run_dir: Path):
     torch.set_num_threads(max(1, int(threads)))
     layout = build_layout(cfg)
     te = task_identity()
+    if te.order_error():  # before any collective: a rank out of block order would join the wrong groups
+        refuse_start(RankOrderError(te.order_error()), run_dir, te.rank, te.world_size, rank_logger(run_dir, te.rank))
     if take_rendezvous_port(cfg.fault, te.rank, te.in_job_restart, te.master_port):
         rank_logger(run_dir, te.rank).info(f"fault.port_taken_in_srun: port {te.master_port} taken before the rendezvous")
     try:  # the device first: a GPU profile without its GPU stops here, before any collective
@@ -209,6 +212,9 @@ def _join(run_dir: Path):
         rendezvous_failed(exc, run_dir, te, int(read_run_json(run_dir).get("segments", 0)),
                           cfg.cluster.in_job_restarts, rank_logger(run_dir, te.rank))
         raise
+    # This rank's CPUs (cluster.cpu_bind), unless its forked start placed it already
+    bind_rank(cfg.cluster, ctx.local_rank, ctx.local_world_size, ctx.device, rank_logger(run_dir, ctx.rank).info,
+              rank=ctx.rank)
     if ctx.world_size != layout.world_size:
         raise RuntimeError(f"the job has {ctx.world_size} ranks but the layout needs {layout.world_size} "
                            f"({layout.describe()})")
