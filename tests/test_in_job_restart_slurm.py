@@ -65,8 +65,10 @@ def test_an_error_then_a_hang_are_restarted_inside_the_job(tmp_path, slurm_clust
 def test_a_taken_rendezvous_port_is_restarted_inside_the_job(tmp_path, slurm_cluster, reference):
     """Rank 0 of the first srun cannot bind the job's port (fault.port_taken_in_srun=0: it
     listens there itself, as another connection's ephemeral end could): run.json records
-    the rendezvous failure and asks a restart; rank 1, waiting on a socket that never
-    answers, is ended by the step loop after its grace; the next srun's port differs."""
+    the rendezvous failure and asks a restart and exits; rank 1, waiting on a socket that
+    never answers, is ended at once by srun (--kill-on-bad-exit), no longer by the step
+    loop after its grace (tests/test_in_job_restart.py tests that path with stand-ins);
+    the next srun's port differs."""
     job, run_dir = submit_run(ARGS + ["fault.port_taken_in_srun=0", "cluster.hang_timeout_s=10"], tmp_path,
                               slurm_cluster)
     info = ended(job, run_dir, slurm_cluster)
@@ -79,7 +81,7 @@ def test_a_taken_rendezvous_port_is_restarted_inside_the_job(tmp_path, slurm_clu
     assert [r["loss"] for r in rows] == [reference[r["step"]] for r in rows] and {r["step"] for r in rows} == set(reference)
     assert final_states(job, slurm_cluster) == ["COMPLETED"]
     err = "".join(p.read_text() for p in (run_dir / "slurm").glob("*_0_log.err"))
-    assert "s after the restart was asked: ending step" in err and "restart 1 of 3 inside job" in err, err[-3000:]
+    assert "_step_signal: Terminating StepId" in err and "restart 1 of 3 inside job" in err, err[-3000:]
 
 
 def test_the_same_error_at_the_same_step_ends_the_run_after_two_tries(tmp_path, slurm_cluster):
