@@ -4,6 +4,7 @@ the job id array-aware under every launcher, torchrun's variables rendered in on
 Pure: environment dicts in, identities out."""
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -139,23 +140,33 @@ def test_a_task_out_of_block_order_is_named_with_the_variables_and_the_fix():
     assert task_identity({**CYCLIC, **TORCHRUN}).order_error() is None  # torchrun's ranks are its own
 
 
-def test_a_task_out_of_block_order_is_refused_at_start(tmp_path, monkeypatch):
-    """The harness's start (train.harness.run._join) refuses it before any collective: one
+@pytest.mark.parametrize("workload", ["trainer", "user"])
+def test_a_task_out_of_block_order_is_refused_at_start(tmp_path, monkeypatch, workload):
+    """The harness's start refuses it before any collective, the built-in trainer's
+    (train.harness.run._join) and a user's entry point's (train.harness.user._prepare): one
     line, run.json failed with failure rank_order, the job cancelled (its other tasks would
     wait in the rendezvous), exit status 1."""
     pytest.importorskip("torch")
     from spec.config import to_yaml
-    from spec.rundir import CONFIG, SLURM_REQUEST, read_run_json, update_run_json
+    from spec.rundir import CONFIG, ENTRYPOINT, SLURM_REQUEST, read_run_json, update_run_json
     from train.harness.run import _join
+    from train.harness.user import _prepare
 
-    (tmp_path / CONFIG).write_text(to_yaml(compose_run(["+cluster=localslurm", "cluster.nodes=2"])))
+    overrides = ["+cluster=localslurm", "cluster.nodes=2"] + (["entrypoint=train.py"] if workload == "user" else [])
+    (tmp_path / CONFIG).write_text(to_yaml(compose_run(overrides)))
+    if workload == "user":
+        (tmp_path / ENTRYPOINT).write_text('{"kind": "script", "path": "train.py"}')
     update_run_json(tmp_path, status="submitted")
+    logger = logging.getLogger("train.rank1")  # rank_logger keeps a process's first run directory
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(key, raising=False)
     for key, value in CYCLIC.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as ended:
-        _join(tmp_path)
+        (_join if workload == "trainer" else _prepare)(tmp_path)
     assert ended.value.code == 1
     info = read_run_json(tmp_path)
     assert (info["status"], info["failure"]) == ("failed", "rank_order")

@@ -49,7 +49,7 @@ from spec.rundir import CONFIG, ENTRYPOINT, SEGMENT_FAILURE, Status, read_run_js
 from spec.user_env import task_environment
 from train import session
 from train.harness.groups import keep_destroyed_groups
-from train.harness.outcome import after_interruption, record_failure, refuse_start
+from train.harness.outcome import RankOrderError, after_interruption, record_failure, refuse_start
 from train.harness import hf_trainer, restart
 from train.harness.preempt import Preempted, PreemptionFlag, in_slurm_job
 from train.harness.restart import Restart
@@ -128,6 +128,8 @@ def _prepare(run_dir: Path) -> Optional[_Task]:
     te = task_identity()
     if te.world_size != layout.world_size:
         raise RuntimeError(f"the job has {te.world_size} tasks but the layout needs {layout.world_size}")
+    if te.order_error():  # RANK is srun's task number: node by node, as LOCAL_RANK and GROUP_RANK assume
+        refuse_start(RankOrderError(te.order_error()), run_dir, te.rank, te.world_size, rank_logger(run_dir, te.rank))
     os.environ.update(task_environment(cfg, layout, run_dir, task=te))
     # One intra-op thread pool per task sized to its CPUs, as torchrun does (OMP_NUM_THREADS):
     # srun tasks otherwise each start one thread per core of the node (steps 30x slower here).
