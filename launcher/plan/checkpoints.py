@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from launcher.plan.state_bytes import state_bytes_per_rank
-from spec.checkpointing import saves_async
+from launcher.plan.states import ADAM, MASTER, compute_bytes
+from spec.checkpointing import default_save_timeout_s, saves_async
 from spec.config import ConfigError, RunConfig
-from spec.ds_config import use_bf16
 from spec.layout import Layout
 from spec.model_size import count_params
 
 GB = 1e9
-STATE = 12            # bytes a parameter: fp32 value + AdamW's two fp32 moments
+STATE = MASTER + ADAM  # 12 bytes a parameter: the fp32 value + AdamW's two fp32 moments
 COMMIT_S = 10.0       # barriers, the manifest, fsyncs and renames of one save (assumption)
 # GB/s one rank copies its state into host memory at (async snapshot: GPU -> pinned host;
 # eight GPUs of a node share its memory bandwidth). An assumption, not measured here.
@@ -70,14 +70,12 @@ def checkpoint_bytes(cfg: RunConfig, layout: Layout) -> tuple:
     """(all bytes, the busiest node's, one rank's) of one checkpoint of the built-in trainer."""
     psi = count_params(cfg.model)
     state = STATE * psi
-    nodes = cfg.cluster.nodes
+    nodes, rank = cfg.cluster.nodes, state_bytes_per_rank(cfg, layout)
     if cfg.strategy.engine == "deepspeed":
-        device = "cuda" if cfg.cluster.accelerator == "gpu" else "cpu"
-        module = (2 if use_bf16(cfg.strategy.mixed_precision, device) else 4) * psi
+        module = compute_bytes(cfg) * psi
         total = state + module
-        node = total / nodes if cfg.strategy.zero_stage == 3 else state / nodes + module
-        return total, node, total / layout.world_size
-    return state, state / nodes, state_bytes_per_rank(cfg, layout)
+        return total, total / nodes if cfg.strategy.zero_stage == 3 else state / nodes + module, rank
+    return state, state / nodes, rank
 
 
 def _seconds(node_bytes: float, total_bytes: float, per_node: Optional[float], total: Optional[float]
@@ -114,19 +112,6 @@ def derives_interval(cfg: RunConfig) -> bool:
             and not cfg.entrypoint)
 
 
-def save_timeout(cfg: RunConfig, plan: Optional[SavePlan]) -> float:
-    """checkpoint.save_timeout_s when null: the hang bound while a save runs. Three times
-    the predicted blocking save and a minute, at least cluster.hang_timeout_s; twice the
-    hang timeout where the save cannot be predicted (no filesystem figures). 0 with the
-    hang check off."""
-    hang = cfg.cluster.hang_timeout_s
-    if hang <= 0:
-        return 0.0
-    if plan is None or plan.save_s is None:
-        return float(2 * hang)
-    return float(math.ceil(max(hang, 3 * plan.save_s + 60)))
-
-
 def resolve(cfg: RunConfig, layout: Layout) -> Optional[SavePlan]:
     """Fill the checkpoint section's nulls in place (what the run's config.yaml then holds)
     and check the save against the signal window and the quota (ConfigError). Returns the
@@ -134,7 +119,7 @@ def resolve(cfg: RunConfig, layout: Layout) -> Optional[SavePlan]:
     k = cfg.checkpoint
     if cfg.entrypoint:
         if k.save_timeout_s is None:
-            k.save_timeout_s = save_timeout(cfg, None)
+            k.save_timeout_s = default_save_timeout_s(cfg.cluster.hang_timeout_s)
         return None
     plan = plan_saves(cfg, layout)
     if derives_interval(cfg) and plan.interval_s is not None:
@@ -146,7 +131,7 @@ def resolve(cfg: RunConfig, layout: Layout) -> Optional[SavePlan]:
     if k.async_save is None:
         k.async_save = plan.asynchronous
     if k.save_timeout_s is None:
-        k.save_timeout_s = save_timeout(cfg, plan)
+        k.save_timeout_s = default_save_timeout_s(cfg.cluster.hang_timeout_s, plan.save_s)
     check_signal_window(cfg, plan)
     check_quota(cfg, plan)
     return plan

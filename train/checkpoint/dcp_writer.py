@@ -12,9 +12,10 @@ from train.checkpoint.manifest import Sums, crc32, fsync_path
 SUBDIR = "dcp"  # DCP's files in a step directory
 
 
-class _SummingStream:
+class SummingStream:
     """A file being written, whose CRC32 and size follow the bytes handed to ``write``
-    (DCP writes each file front to back: ``torch.save`` into it, then fsync)."""
+    (DCP writes each file front to back: ``torch.save`` into it, then fsync; DeepSpeed's
+    files too: train/checkpoint/deepspeed_io.py)."""
 
     def __init__(self, raw) -> None:
         self.raw, self.crc, self.size = raw, 0, 0
@@ -45,7 +46,7 @@ def summing_writer():
                 if mode != "wb":
                     yield raw
                     return
-                stream = _SummingStream(raw)
+                stream = SummingStream(raw)
                 yield stream
                 self.sums[Path(path)] = [stream.size, stream.crc]
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from spec.rundir import needs_universal
-from train.checkpoint.dcp_writer import _SummingStream
+from train.checkpoint.dcp_writer import SummingStream
 from train.checkpoint.manifest import Sums, crc32, fsync_path, saved_shape
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class DeepSpeedBackend:
         return None
 
 
-class _SummedFile(_SummingStream):
+class _SummedFile(SummingStream):
     """A file ``torch.save`` writes into, its CRC32 and size following the bytes handed to
     ``write``. No ``fileno``: torch.save's legacy (non-zip) format would write the tensors'
     bytes straight to the descriptor, past ``write`` and the sum."""

@@ -266,9 +266,8 @@ def after_srun(run_dir: Path, code: int, srun: int, budget: int, job: str, repor
     rules decide (never before the run's first step, nor twice for the same error at the
     same step). ``srun``: which start of the step this was; ``budget``:
     ``cluster.in_job_restarts``; ``job``: the job's id. True when RESTART was written."""
-    first = report.get("signal") if report else (signal.Signals(code - 128).name if code - 128 in
-                                                 signal.valid_signals() else None)
-    if code == 0 or first in {s.name for s in _SLURMS}:
+    culprit = srun_culprit(report, code)
+    if code == 0 or culprit["signal"] in {s.name for s in _SLURMS}:
         return False  # ended from outside (scancel, the time limit, the warning signal), or not at all
     info = read_run_json(run_dir)
     status, ours = status_of(info), str(info.get("job_id")) == str(job)
@@ -280,7 +279,6 @@ def after_srun(run_dir: Path, code: int, srun: int, budget: int, job: str, repor
     done = _last_step(Path(run_dir), float(info.get("started_at") or 0.0))
     user = (Path(run_dir) / ENTRYPOINT).is_file()  # a user's code: its steps seen only when it logs them
     started = True if done > 0 else (None if user else False)
-    culprit = srun_culprit(report, code)
     error = culprit.pop("error")
     if undecided and (info.get("failed_rank") is not None or info.get("dead_ranks")):
         culprit.update(_culprit(info, _placeholder(job, srun), None, None))  # the task's own record first
