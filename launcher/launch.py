@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-from launcher import entrypoint, local, snapshot, submit
+from launcher import entrypoint, local, resources, snapshot, submit
 from launcher.checks import already_done, check
 from launcher.compose import run_config
 from launcher.plan.checkpoints import SavePlan, describe as describe_saves, predicted_step_s
@@ -197,7 +197,7 @@ def dry_run(p: Point) -> int:
         script = submit.render_script(p.cfg, p.layout, p.run_dir, code=code)
         (p.run_dir / SBATCH).write_text(script)
         print(script)
-        print(submit.resources_line(p.cfg))
+        print(resources.resources_line(p.cfg))
         print(snapshot.describe(code, p.cfg, "keeps" if p.frozen else "would freeze"))
     else:
         print(f"local: {p.layout.world_size} x `{sys.executable} -m train {p.run_dir}` with RANK=0..."

@@ -9,9 +9,7 @@ slot on CPU clusters). submitit writes the batch script, per-rank logs
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -21,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from launcher.resources import container_args, task_shape
 from launcher.snapshot import Frozen
 from slurm import query, sbatch, submitit_adapter
 from slurm.states import job_over, job_state
@@ -129,9 +128,11 @@ def default_job_name(cfg: RunConfig) -> str:
 def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = None, python: Optional[str] = None,
                      run_dir: Optional[Path] = None, wrapper: Optional[str] = None) -> Dict[str, Any]:
     """submitit/sbatch parameters of this run (the same for dry run and submission): one
-    task per GPU, each with cluster.task_cpus() CPUs and its GPU(s) by cluster.gpu_binding;
-    srun's --kill-on-bad-exit=1, so that a task that dies ends the step at once (the step
-    loop records and restarts it: train.harness.restart.after_srun).
+    task a node, the node's agent (STO_AGENT: it forks the node's ranks, train/harness/agent.py),
+    with the node's CPUs; with cluster.gpu_binding=task one task per GPU, each with
+    cluster.task_cpus() CPUs and its GPU (launcher.resources.task_shape). srun's
+    --kill-on-bad-exit=1, so that a task that dies ends the step at once (the step loop
+    records and restarts it: train.harness.restart.after_srun).
     ``code``: the run's frozen code (launcher.snapshot), first on the tasks' PYTHONPATH;
     ``python``: this interpreter's command when not sys.executable (render_script's);
     ``run_dir`` (a sweep's: any point's), ``wrapper``: for a container's mounts."""
@@ -142,12 +143,13 @@ def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = No
     nodes = c.nodes + c.spare_nodes  # the spares idle until a restart needs one (cluster.spare_nodes)
     if c.accelerator == "gpu":
         gpu, extra, srun_gpu = sbatch.gpu_binding(c.gpu_binding, c.gpus_per_node, nodes)
-    params = _job_parameters(cfg, cfg.launcher.job_name or default_job_name(cfg), nodes, c.gpus_per_node,
-                             c.task_cpus(), [*srun_gpu, "--kill-on-bad-exit=1"], code, run_dir, wrapper)
+    tasks, cpus = task_shape(cfg)
+    params = _job_parameters(cfg, cfg.launcher.job_name or default_job_name(cfg), nodes, tasks, cpus,
+                             [*srun_gpu, "--kill-on-bad-exit=1"], code, run_dir, wrapper)
     grace = submitit_adapter.restart_grace_s(heartbeat_interval(c.hang_timeout_s))
     params.update(gpu, setup=params["setup"] + submitit_adapter.step_loop(
-        c.in_job_restarts, job_pythons(cfg, code, python)[1], c.spare_nodes, c.nodes, c.gpus_per_node, grace,
-        _task_python(code)[1]),
+        c.in_job_restarts, job_pythons(cfg, code, python)[1], c.spare_nodes, c.nodes, tasks, grace,
+        _task_python(code)[1], agent=c.gpus_per_node if c.agent() else 0),
                   teardown=submitit_adapter.requeue_if_signalled(c.max_requeues))
     spare = {"no-kill": True} if c.spare_nodes else {}  # the job outlives a dead node
     params["additional_parameters"] = {"requeue": True, **spare, **extra, **params["additional_parameters"]}
@@ -164,32 +166,6 @@ def job_pythons(cfg: RunConfig, code: Optional[Frozen], python: Optional[str] = 
     if cfg.cluster.container_image:
         return given or "python", here
     return given or here, given or here
-
-
-def container_args(cfg: RunConfig, code: Optional[Frozen], run_dir: Optional[Path],
-                   wrapper: Optional[str]) -> Tuple[List[str], List[str]]:
-    """(--container-mounts items, more srun options) with cluster.container_image: the
-    site's mounts, then the run's paths at the same place inside: the directory holding
-    the run directory (with the frozen code, .code/<hash>, and a sweep's points and
-    arrays) and the code whose task wrapper srun starts, when elsewhere; and a
-    --container-name that follows the image, so that every step of the job (restarts
-    inside it) and every node's next step reuse the imported container."""
-    c = cfg.cluster
-    if not c.container_image:
-        return list(c.container_mounts), []
-    runs = run_dir.parent if run_dir is not None else (code.copies[0][1].parent.parent if code is not None
-                                                       and code.copies else None)
-    tree = Path(wrapper or _task_python(code)[1] or submitit_adapter.TASK_WRAPPER).parent.parent
-    ours = [p for p in (runs, tree) if p is not None]
-    ours = [p for p in dict.fromkeys(ours) if not any(q != p and p.is_relative_to(q) for q in ours)]
-    for path in ours:
-        if set(str(path)) & set(":,"):
-            raise ConfigError(f"launcher.run_dir: {path} holds ':' or ',', which split pyxis's --container-mounts; "
-                              "pick a directory without them")
-    image = c.container_image
-    tail = re.sub(r"[^A-Za-z0-9_.-]+", "-", image.rsplit("/", 1)[-1].replace("#", "-"))[:40].strip("-.")
-    name = f"sto-{tail}-{hashlib.sha256(image.encode()).hexdigest()[:8]}"
-    return [*c.container_mounts, *(f"{p}:{p}" for p in ours)], [f"--container-name={name}"]
 
 
 def _job_parameters(cfg: RunConfig, job_name: str, nodes: int, tasks_per_node: int, cpus_per_task: int,
@@ -224,33 +200,6 @@ def _job_parameters(cfg: RunConfig, job_name: str, nodes: int, tasks_per_node: i
                 "exclude": c.exclude, "mem": submitit_adapter.mem_option(c.mem_gb)}  # "0" for 0: a string
     params.update({k: v for k, v in optional.items() if v})
     return params
-
-
-def resources_line(cfg: RunConfig) -> str:
-    """What each node is asked for, in words and the options that ask it (the dry run prints it)."""
-    c = cfg.cluster
-    cpus = c.task_cpus()
-    of = f" of cluster.cpus_per_node={c.cpus_per_node}" if c.cpus_per_node else ""
-    how = "cluster.cpus_per_task=0: derived" if c.cpus_per_task == 0 else f"cluster.cpus_per_task={cpus}"
-    line = (f"asked per node: {c.gpus_per_node} tasks x {cpus} CPUs = {c.gpus_per_node * cpus} CPUs{of} ({how}; "
-            f"sbatch and srun --cpus-per-task={cpus}); memory: ")
-    if c.mem_gb is None:
-        line += "the site's default (cluster.mem_gb=null: no --mem)"
-    elif c.mem_gb == 0:
-        line += "all of the node's (cluster.mem_gb=0: --mem=0)"
-    else:
-        line += f"{c.mem_gb} GB (--mem={submitit_adapter.mem_option(c.mem_gb)})"
-    if c.spare_nodes:
-        line += (f"; nodes: {c.nodes + c.spare_nodes} = {c.nodes} training + {c.spare_nodes} spare "
-                 f"(cluster.spare_nodes={c.spare_nodes}: sbatch --nodes={c.nodes + c.spare_nodes} --no-kill, "
-                 f"srun --nodes={c.nodes})")
-    if c.accelerator != "gpu":
-        return line + "; GPUs: none (cluster.accelerator=cpu)"
-    if c.gpu_binding == "task":
-        return line + (f"; GPU binding task: each task sees only its own GPU, cuda:0 (sbatch --ntasks="
-                       f"{(c.nodes + c.spare_nodes) * c.gpus_per_node} --gpus-per-task=1, srun --gpus-per-task=1 --gpu-bind=per_task:1)")
-    return line + (f"; GPU binding node: every task sees the node's {c.gpus_per_node} GPUs and takes cuda:LOCAL_RANK "
-                   f"(sbatch --gpus-per-node={c.gpus_per_node})")
 
 
 def _task_python(code: Optional[Frozen]) -> Tuple[Optional[str], Optional[str]]:

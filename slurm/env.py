@@ -130,6 +130,10 @@ def slurm_job_id(env: Mapping[str, str] | None = None) -> Optional[str]:
 # Set by the local launcher on rank 0: the other local ranks' torchrun variables (JSON),
 # which rank 0 forks after its imports (train/harness/forked.py).
 LOCAL_FORK_ENV = "STO_LOCAL_FORK"
+# Set by the batch script of a job whose srun starts one agent a node (its ranks per node:
+# train/harness/agent.py), and by that agent in each rank it forks (marking it a rank).
+AGENT_ENV = "STO_AGENT"
+AGENT_CHILD_ENV = "STO_AGENT_RANK"
 # Set by the local launcher for every rank: a token of this launch, which rank 0 of a user's
 # code records in run.json (``local_launch``), so that a rank starting after rank 0 ended
 # the run knows the end is this launch's (train/harness/user.py: job_id is "local" for all).
@@ -139,9 +143,12 @@ LOCAL_LAUNCH_ENV = "STO_LOCAL_LAUNCH"
 def task_identity(env: Mapping[str, str] | None = None) -> TaskIdentity:
     """This task's :class:`~spec.identity.TaskIdentity`: torchrun's variables win (torchrun
     inside an allocation), then an srun task's SLURM_* ones, else a world of one. The job
-    id is :func:`slurm_job_id`'s under every launcher."""
+    id is :func:`slurm_job_id`'s under every launcher. A rank a node's agent forked has both
+    (train/harness/agent.py): its SLURM_* ones, with its in-job restart."""
     env = os.environ if env is None else env
     restarts = _int(env, "SLURM_RESTART_COUNT", 0)
+    if AGENT_CHILD_ENV in env and in_srun_task(env):  # a node agent's rank: SLURM_* rewritten per rank
+        return _srun_identity(env, restarts, in_job_restart(env))
     if "RANK" in env and "WORLD_SIZE" in env:
         return _torchrun_identity(env, restarts)
     if in_srun_task(env):

@@ -21,6 +21,8 @@
 #   STO_SPARES       cluster.spare_nodes (0 or unset: no hot spares); with spares:
 #   STO_STEP_NODES   the step's nodes (cluster.nodes), and
 #   STO_STEP_NTASKS  its tasks (cluster.nodes x tasks per node)
+#   STO_AGENT        (exported) ranks per node when srun starts one agent a node that forks
+#                    them (train/harness/agent.py); unset: one srun task a rank
 # The batch script defines `sto_slurm CMD ARGS` first (Slurm's client as found before
 # cluster.env: slurm/submitit_adapter.slurm_client_lines); outside it, the client on the PATH.
 #
@@ -54,6 +56,12 @@
 #    nor twice for the same error at the same step). The loop goes on as for a task's request.
 # `wait -n` (bash >= 4.3) wakes at the step's end or after a second, whichever is first.
 #
+# With node agents (STO_AGENT set) the agents restart the step's ranks themselves, inside
+# the same srun, while a restart drops no node: RESTART then belongs to a later start than
+# the srun's (its JSON's "srun", which the next srun follows: STO_IN_JOB_RESTART = that + 1),
+# and each agent bounds its own ranks' end after a restart (SIGKILL), so the loop's own
+# grace is not used; a RESTART that differs from the one seen before counts anew.
+#
 # With hot spares (cluster.spare_nodes=K > 0: sbatch --nodes=N+K --no-kill; STO_SPARES=0 is
 # the loop without them): every srun asks for the N training nodes (--nodes, --ntasks: srun
 # would take the job's N+K from the batch environment) with --overlap, and --exclude for the
@@ -83,6 +91,11 @@ sto_after_srun() {  # $1: RUN_DIR, $2: srun's exit status, $3: which start, $4: 
   [ -f "$log" ] || log=/dev/null
   eval "$STO_PYTHON"' -m train.harness.restart after-srun "$1" "$2" "$3" "$STO_RESTARTS" "$log" "$4"' ||
     echo "job $sto_job: the failed step is not recorded in run.json" >&2
+}
+sto_restart_start() {  # $1: RUN_DIR; which start of the step wrote RESTART (its "srun"), else $2
+  local start
+  start=$(sed -n '1s/.*"srun": *\([0-9][0-9]*\).*/\1/p' "$1/$STO_RESTART" 2>/dev/null)
+  echo "${start:-$2}"
 }
 sto_kill_srun() {  # the step's srun, $! (a subshell: srun is its child); /proc first, pkill if need be
   local kids; kids=$(cat /proc/"$1"/task/*/children 2>/dev/null) || kids=$(pgrep -P "$1" 2>/dev/null)
@@ -120,7 +133,7 @@ sto_request() {
   esac
 }
 srun() {
-  local folder="${*: -1}" code i=0 pid waited drop from spare=()
+  local folder="${*: -1}" code i=0 pid waited drop from seen now spare=()
   local dir="${folder//%a/$SLURM_ARRAY_TASK_ID}/.."
   { SLURM_TIME_FORMAT=%s sto_slurm scontrol show job -o "$SLURM_JOB_ID"
     sto_slurm sinfo -h -N -p "$SLURM_JOB_PARTITION" -o '%N|%t|%f'; } 2>/dev/null > "$dir/$STO_FACTS"
@@ -135,24 +148,28 @@ srun() {
     else
       sto_slurm srun "${spare[@]}" "$@" &
     fi
-    pid=$! waited=0
+    pid=$! waited=0 seen=
     while kill -0 "$pid" 2>/dev/null; do
       sleep 1 & wait -n
       kill $! 2>/dev/null
       sto_request "$dir" "$pid" && exit 0
-      [ -e "$dir/$STO_RESTART" ] && waited=$((waited + 1))
+      if now=$(cksum 2>/dev/null < "$dir/$STO_RESTART"); then
+        [ "$now" = "$seen" ] && waited=$((waited + 1)) || waited=1
+        seen=$now
+      fi
       # RESTART is written whole (os.replace), its exclude= line with it: two polls that saw it
       if [ "$STO_SPARES" -gt 0 ] && [ "$waited" -ge 2 ] && grep -q '^exclude=.' "$dir/$STO_RESTART" 2>/dev/null; then
         sto_end_step "$pid" "the step asks for a restart without $(sed -n 's/^exclude=//p' "$dir/$STO_RESTART")"
         break
       fi
-      [ "$waited" -ge "$STO_GRACE_S" ] &&
+      [ -z "${STO_AGENT:-}" ] && [ "$waited" -ge "$STO_GRACE_S" ] &&
         { sto_end_step "$pid" "a task still runs $STO_GRACE_S s after the restart was asked"; break; }
     done
     wait "$pid"
     code=$?
     sto_request "$dir" && exit 0
     [ "$code" -ne 0 ] && [ ! -e "$dir/$STO_RESTART" ] && sto_after_srun "$dir" "$code" "$i" "$from"
+    i=$(sto_restart_start "$dir" "$i")  # this srun's start, or a later one its agents restarted
     [ "$code" -ne 0 ] && [ -e "$dir/$STO_RESTART" ] && [ "$i" -lt "$STO_RESTARTS" ] || return "$code"
     i=$((i + 1))
     if [ "$STO_SPARES" -gt 0 ]; then

@@ -104,7 +104,7 @@ def restart_grace_s(heartbeat_s: float) -> int:
 
 
 def step_loop(restarts: int, python: Optional[str] = None, spares: int = 0, nodes: int = 1,
-              tasks_per_node: int = 1, grace_s: int = 60, wrapper: Optional[str] = None) -> list[str]:
+              tasks_per_node: int = 1, grace_s: int = 60, wrapper: Optional[str] = None, agent: int = 0) -> list[str]:
     """The batch script's last setup lines for a training job: the parameters of the step's
     loop (:data:`STEP_LOOP`) and the line that sources it, with
     ``cluster.in_job_restarts=restarts`` (0: the step runs once) and ``python`` (as for
@@ -113,7 +113,9 @@ def step_loop(restarts: int, python: Optional[str] = None, spares: int = 0, node
     ``tasks_per_node`` tasks each, and a restart can drop nodes. ``grace_s``: how long a task
     may outlive the restart's request (:func:`restart_grace_s`). ``wrapper``: the task wrapper
     of the job's code (:func:`task_python`'s; a run's frozen copy, launcher/snapshot.py): the
-    loop sourced is the one beside it, so a requeued job runs the loop it was submitted with."""
+    loop sourced is the one beside it, so a requeued job runs the loop it was submitted with.
+    ``agent`` > 0: srun starts one agent a node that forks that many ranks (exported as
+    STO_AGENT, which marks the task: train/harness/agent.py); 0: one srun task a rank."""
     python = shlex.quote(sys.executable) if python is None else python
     loop = Path(wrapper).with_name(STEP_LOOP.name) if wrapper else STEP_LOOP
     head = ("# the training step (slurm/step_loop.sh): does what its tasks ask of Slurm "
@@ -123,7 +125,9 @@ def step_loop(restarts: int, python: Optional[str] = None, spares: int = 0, node
     if spares > 0:
         head += f" on {int(nodes)} of the job's nodes (cluster.spare_nodes={int(spares)})"
         spare = f" STO_STEP_NODES={int(nodes)} STO_STEP_NTASKS={int(nodes) * int(tasks_per_node)}"
-    return [head,
+    agents = [f"export STO_AGENT={int(agent)}  # one task a node: the agent forks its {int(agent)} ranks "
+              "(train/harness/agent.py)"] if agent > 0 else []
+    return [head, *agents,
             f"STO_RESTARTS={int(restarts)} STO_GRACE_S={int(grace_s)} STO_PYTHON={shlex.quote(python)}",
             f"STO_REQUEST={shlex.quote(SLURM_REQUEST)} STO_RESTART={shlex.quote(RESTART)} "
             f"STO_FACTS={shlex.quote(SLURM_JOB)} STO_SPARES={int(spares)}{spare}",

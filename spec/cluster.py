@@ -23,12 +23,14 @@ class ClusterConfig:
     nvlink_domain: int = 0
     # "cpu" (gloo, no --gpus-per-node) or "gpu" (nccl, --gpus-per-node=gpus_per_node).
     accelerator: str = "cpu"
-    # How a node's GPUs are shown to its tasks (accelerator gpu only):
-    #   "node": every task sees all the node's GPUs and takes cuda:LOCAL_RANK (sbatch
-    #           --gpus-per-node; the default of most sites);
-    #   "task": each task sees only its own GPU and takes cuda:0 (sbatch --ntasks and
-    #           --gpus-per-task=1, srun --gpus-per-task=1 --gpu-bind=per_task:1; also what
-    #           a site that binds per task by default gives).
+    # How a node's GPUs are shown to its ranks, and so how they start:
+    #   "node": srun starts one agent a node, which forks the node's ranks (train/harness/
+    #           agent.py); every rank sees all the node's GPUs and takes cuda:LOCAL_RANK
+    #           (sbatch --gpus-per-node; the default of most sites);
+    #   "task": one srun task a rank, each seeing only its own GPU, cuda:0 (sbatch --ntasks
+    #           and --gpus-per-task=1, srun --gpus-per-task=1 --gpu-bind=per_task:1; what a
+    #           site whose cgroups bind GPUs per task needs). On a CPU profile, "task" asks
+    #           one srun task a rank (no GPU options).
     # The task harness checks what it finds against this and refuses a mismatch at start.
     gpu_binding: str = "node"
     # Which CPUs each rank runs on (train/harness/affinity.py):
@@ -136,6 +138,12 @@ class ClusterConfig:
     # Path of slurm.conf to use; null: $SLURM_CONF, else the system default. The localslurm
     # profile sets "auto": the cluster started by `make cluster-up` is found by itself.
     slurm_conf: Optional[str] = None
+
+    def agent(self) -> bool:
+        """srun starts one agent a node that forks the node's ranks (train/harness/agent.py),
+        unless GPUs are bound to tasks (gpu_binding=task: one srun task a GPU, as such sites'
+        cgroups need)."""
+        return self.gpu_binding != "task"
 
     def task_cpus(self) -> int:
         """CPUs per task as asked of Slurm: cpus_per_task, or with 0 the node's CPUs

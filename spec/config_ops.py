@@ -108,6 +108,10 @@ class FaultConfig:
     preflight_slow_restart: int = 0
     hardware_fault_restart: int = 0
     oom_at_step: int = 0  # raise_rank raises torch.OutOfMemoryError at this step, once per run; 0 = off
+    # raise_rank SIGKILLs itself at this step (after its backward, before the step's
+    # collective), once per run: a rank that dies without a word (the OOM killer, a
+    # segfault), which only its node's agent sees at once; 0 = off.
+    kill_at_step: int = 0
     oom_in_build: bool = False  # ... and this: once the model is built, before a checkpoint loads (once per run)
     # Rank 0 finds the job's rendezvous port taken (another process listens on it) in the
     # start of the job's step with this number (STO_IN_JOB_RESTART: 0 the first srun, 1

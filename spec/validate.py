@@ -251,7 +251,7 @@ def _check_slurm_options(cfg: RunConfig) -> None:
         if name in OWNED_SBATCH or name == "unbuffered":
             use = OWNED_SBATCH.get(name, "nothing: the toolkit sets it")
             raise ConfigError(f"cluster.srun_args[{i}]={arg!r}: the toolkit sets --{name} itself; use {use} instead")
-        if name == "distribution":
+        if name == "distribution" and not c.agent():  # node agents number their ranks themselves
             check_distribution(f"cluster.srun_args[{i}]", arg, arg.partition("=")[2] if arg.startswith("--")
                                else arg[2:].lstrip("="))
     for i, mount in enumerate(c.container_mounts):
@@ -267,7 +267,8 @@ def check_distribution(key: str, given: str, value: str) -> None:
     if first in _NOT_BLOCK:
         raise ConfigError(f"{key}={given!r}: {first} distribution numbers ranks across nodes, but the layout needs "
                           "them node by node (SLURM_PROCID = SLURM_NODEID x tasks per node + SLURM_LOCALID: tensor "
-                          "parallel groups inside a node); remove it or use --distribution=block")
+                          "parallel groups inside a node, one srun task a rank with cluster.gpu_binding=task); "
+                          "remove it, use --distribution=block, or cluster.gpu_binding=node (node agents)")
 
 
 def _check_python(cfg: RunConfig) -> None:

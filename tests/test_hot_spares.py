@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from helpers import CLIENT, compose_run, run_step_loop, stuck_srun
-from launcher.submit import render_script, resources_line
+from launcher.resources import resources_line
+from launcher.submit import render_script
 from slurm import submitit_adapter
 from slurm.states import restart_refusal
 from spec.config import ConfigError, to_run_config, to_yaml
@@ -36,9 +37,11 @@ def script_of(overrides) -> str:
 def test_the_job_asks_for_the_spares_and_the_step_for_the_training_nodes():
     script = script_of(SPARE)
     flags = sbatch_flags(script)
-    assert flags["--nodes"] == "3" and "--no-kill" in flags and flags["--ntasks-per-node"] == "2"
-    # slurm/step_loop.sh's srun --nodes=2 --ntasks=4 --overlap (and --exclude for the dropped nodes)
-    assert "STO_SPARES=1 STO_STEP_NODES=2 STO_STEP_NTASKS=4\n" in script
+    assert flags["--nodes"] == "3" and "--no-kill" in flags and flags["--ntasks-per-node"] == "1"  # an agent a node
+    # slurm/step_loop.sh's srun --nodes=2 --ntasks=2 --overlap (and --exclude for the dropped nodes)
+    assert "STO_SPARES=1 STO_STEP_NODES=2 STO_STEP_NTASKS=2\n" in script
+    per_rank = script_of(SPARE + ["cluster.gpu_binding=task"])  # one task a rank: 2 a node
+    assert "STO_STEP_NTASKS=4\n" in per_rank and sbatch_flags(per_rank)["--ntasks-per-node"] == "2"
     assert "(cluster.spare_nodes=1)" in script
     plain = script_of(["+cluster=localslurm", "cluster.nodes=2"])  # K=0: no trace of spares
     assert "--no-kill" not in sbatch_flags(plain) and sbatch_flags(plain)["--nodes"] == "2"
@@ -133,8 +136,8 @@ def test_the_step_loop_ends_a_step_that_waits_for_a_dead_node_and_excludes_it(tm
                          squeue=CLIENT + "printf '41.batch\\n41.0\\n'\n", timeout=50)
     calls = (tmp_path / "calls").read_text().splitlines()
     assert proc.returncode == 0, proc.stderr
-    assert len(calls) == 2 and calls[0].startswith("0 --nodes=2 --ntasks=4 --overlap --unbuffered"), calls
-    assert calls[1].startswith("1 --nodes=2 --ntasks=4 --overlap --exclude=node2 --unbuffered"), calls
+    assert len(calls) == 2 and calls[0].startswith("0 --nodes=2 --ntasks=2 --overlap --unbuffered"), calls
+    assert calls[1].startswith("1 --nodes=2 --ntasks=2 --overlap --exclude=node2 --unbuffered"), calls
     assert "ending step 0 of job 41" in proc.stderr and "restart 1 of 3 inside job 41" in proc.stderr
     slurm_calls = Path(f"{tmp_path / 'calls'}.slurm").read_text()
     assert "squeue -h -s -j 41 -o %i" in slurm_calls

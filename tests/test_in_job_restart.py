@@ -321,7 +321,7 @@ def test_a_task_that_outlives_the_restart_request_is_ended_after_the_grace(tmp_p
     from slurm.submitit_adapter import restart_grace_s
 
     assert restart_grace_s(1.0) == 33 and restart_grace_s(5.0) == 45 and restart_grace_s(0.0) == 30
-    cfg = compose_run(["+cluster=localslurm", "cluster.hang_timeout_s=60"])
+    cfg = compose_run(["+cluster=localslurm", "cluster.hang_timeout_s=60", "cluster.gpu_binding=task"])  # no agents
     run_dir = tmp_path / "run dir"
     (run_dir / "slurm").mkdir(parents=True)
     script = render_script(cfg, build_layout(cfg), run_dir, python="python", wrapper="/w.sh")
@@ -458,7 +458,7 @@ def test_the_loop_records_and_restarts_a_step_whose_task_died_without_a_word(tmp
     from the script's stderr (a file, as sbatch's --error gives it) and restarts."""
     import sys
 
-    cfg = compose_run(["+cluster=localslurm", "launcher.snapshot=false"])
+    cfg = compose_run(["+cluster=localslurm", "launcher.snapshot=false", "cluster.gpu_binding=task"])  # srun's tasks
     run_dir = tmp_path / "run dir"
     (run_dir / "slurm").mkdir(parents=True)
     running(run_dir)

@@ -1,7 +1,7 @@
 """Restarts inside the job (cluster.in_job_restarts) on the real local Slurm cluster.
 
-A rank's error and, later in the same job, a hang are each restarted inside the
-allocation: one job id, SLURM_RESTART_COUNT 0, no requeue, the per-step losses of an
+A rank killed without a word, a rank's error and, later in the same job, a hang are each
+restarted inside the allocation: one job id, SLURM_RESTART_COUNT 0, no requeue, the per-step losses of an
 uninterrupted run (bitwise: fp32 DDP on CPU). A rank that fails at the same step every
 time ends the run after two tries (the crash-loop guard), not cluster.in_job_restarts.
 A user's script is restarted too, and resumes by itself.
@@ -39,36 +39,46 @@ def reference(tmp_path_factory, slurm_cluster):
     return {r["step"]: r["loss"] for r in read_metrics(run_dir_of(proc.stdout))}
 
 
-def test_an_error_then_a_hang_are_restarted_inside_the_job(tmp_path, slurm_cluster, reference):
-    job, run_dir = submit_run(ARGS + ["fault.raise_at_step=7", "fault.raise_rank=1", "fault.hang_rank=0",
-                                      "fault.hang_at_step=10", "cluster.hang_timeout_s=10"], tmp_path, slurm_cluster)
+def test_a_killed_rank_an_error_then_a_hang_are_restarted_inside_the_job(tmp_path, slurm_cluster, reference):
+    """Rank 1 SIGKILLed at step 4 (nothing recorded by itself: its node's agent records it
+    at once, long before the hang check), rank 1's error at step 7, rank 0's hang at step 10:
+    three restarts inside the job, by the warm agents, and the losses of an uninterrupted run."""
+    job, run_dir = submit_run(ARGS + ["fault.kill_at_step=4", "fault.raise_at_step=7", "fault.raise_rank=1",
+                                      "fault.hang_rank=0", "fault.hang_at_step=10", "cluster.hang_timeout_s=10"],
+                              tmp_path, slurm_cluster)
     info = ended(job, run_dir, slurm_cluster)
     assert info["status"] == "completed", info
-    assert (info["job_id"], info["restart_count"], info["segments"]) == (job, 0, 3)
-    first, second = info["in_job_restarts"]
+    assert (info["job_id"], info["restart_count"], info["segments"]) == (job, 0, 4)
+    killed, first, second = info["in_job_restarts"]
     hosts = info["hostnames"]  # one per node, in rank order
-    assert (first["segment"], first["reason"], first["step"], first["rank"], first["node"]) == (0, "error", 7, 1,
+    assert (killed["segment"], killed["reason"], killed["step"], killed["rank"], killed["node"], killed["signal"],
+            killed["detected_by"]) == (0, "rank_failure", 4, 1, hosts[1], "SIGKILL", "agent"), killed
+    kill_time = json.loads((run_dir / "faults" / "kill_at_step.json").read_text())["time"]
+    assert kill_time <= killed["failed_at"] < kill_time + 10  # recorded before the hang check (10 s) could fire
+    assert (first["segment"], first["reason"], first["step"], first["rank"], first["node"]) == (1, "error", 7, 1,
                                                                                                 hosts[1])
     assert "fault.raise_at_step=7: injected failure" in first["error"]
-    assert (second["segment"], second["reason"], second["step"], second["rank"], second["node"]) == (1, "hang", 10, 0,
+    assert (second["segment"], second["reason"], second["step"], second["rank"], second["node"]) == (2, "hang", 10, 0,
                                                                                                      hosts[0])
-    for restart in (first, second):
+    for restart in (killed, first, second):
         assert restart["job_id"] == job and restart["downtime_s"] > 0 and restart["seconds_lost"] > 0, restart
+    assert [r["srun"] for r in (killed, first, second)] == [0, 1, 2]  # the agents' starts, one srun
     rows = read_metrics(run_dir)
     assert [r["loss"] for r in rows] == [reference[r["step"]] for r in rows]  # every segment's rows, bitwise
-    assert {r["step"] for r in rows} == set(reference) and {r["segment"] for r in rows} == {0, 1, 2}
+    assert {r["step"] for r in rows} == set(reference) and {r["segment"] for r in rows} == {0, 1, 2, 3}
     assert final_states(job, slurm_cluster) == ["COMPLETED"]
     log = (run_dir / "logs" / "rank0.log").read_text()
-    assert "resumed from step 6 (segment 1)" in log and "resumed from step 9 (segment 2)" in log
+    assert all(f"resumed from step {s} (segment {g})" in log for s, g in ((3, 1), (6, 2), (9, 3))), log[-3000:]
 
 
 def test_a_taken_rendezvous_port_is_restarted_inside_the_job(tmp_path, slurm_cluster, reference):
     """Rank 0 of the first srun cannot bind the job's port (fault.port_taken_in_srun=0: it
     listens there itself, as another connection's ephemeral end could): run.json records
     the rendezvous failure and asks a restart and exits; rank 1, waiting on a socket that
-    never answers, is ended at once by srun (--kill-on-bad-exit), no longer by the step
-    loop after its grace (tests/test_in_job_restart.py tests that path with stand-ins);
-    the next srun's port differs."""
+    never answers, is ended at once by its node's agent, which saw the restart asked (no
+    longer by the step loop after its grace: tests/test_in_job_restart.py tests that path
+    with stand-ins); the agents fork the next start's ranks, whose port differs, inside
+    the same srun."""
     job, run_dir = submit_run(ARGS + ["fault.port_taken_in_srun=0", "cluster.hang_timeout_s=10"], tmp_path,
                               slurm_cluster)
     info = ended(job, run_dir, slurm_cluster)
@@ -80,8 +90,9 @@ def test_a_taken_rendezvous_port_is_restarted_inside_the_job(tmp_path, slurm_clu
     rows = read_metrics(run_dir)
     assert [r["loss"] for r in rows] == [reference[r["step"]] for r in rows] and {r["step"] for r in rows} == set(reference)
     assert final_states(job, slurm_cluster) == ["COMPLETED"]
-    err = "".join(p.read_text() for p in (run_dir / "slurm").glob("*_0_log.err"))
-    assert "_step_signal: Terminating StepId" in err and "restart 1 of 3 inside job" in err, err[-3000:]
+    err = "".join(p.read_text() for p in (run_dir / "slurm").glob("*_1_log.err"))  # node 1's agent and rank 1
+    assert "restart asked (rendezvous, rank 0): stopping the node's ranks" in err, err[-3000:]
+    assert "restarting the node's ranks from the warm agent (start 1 of the step)" in err, err[-3000:]
 
 
 def test_the_same_error_at_the_same_step_ends_the_run_after_two_tries(tmp_path, slurm_cluster):

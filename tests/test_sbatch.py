@@ -40,7 +40,7 @@ def test_golden_a100x8_two_nodes():
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(script)
     assert script == golden.read_text()
-    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=8" in script
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script  # one agent a node
     assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --signal=USR2@120" in script
 
 
@@ -183,14 +183,18 @@ def test_golden_gpu_profiles(name, cluster, overrides):
 @pytest.mark.parametrize("name,cluster,overrides", GPU_GOLDENS)
 def test_gpu_profile_asks_each_task_its_cpus_memory_and_gpu(name, cluster, overrides):
     """What the golden files hold, option by option: the CPUs of each task on sbatch AND
-    srun, within the node's schedulable CPUs; all of each node's memory; the binding's GPU
-    options; no submitit wckey (refused where TrackWCKey knows no 'submitit')."""
+    srun, within the node's schedulable CPUs (one task a node, the agent with the node's
+    CPUs, STO_AGENT = its ranks; or, binding task, a task a GPU with its share); all of each
+    node's memory; the binding's GPU options; no submitit wckey (refused where TrackWCKey
+    knows no 'submitit')."""
     cfg, _ = _gpu_golden(cluster, overrides)
     c, script = cfg.cluster, (GOLDEN / name).read_text()
     job, step = sbatch_flags(script), srun_flags(script)
     cpus = c.cpus_per_node // c.gpus_per_node  # cpus_per_task 0 in the profile: the node's CPUs shared
-    assert c.cpus_per_task == 0 and job["--cpus-per-task"] == step["--cpus-per-task"] == str(cpus)
-    assert int(job["--ntasks-per-node"]) * cpus <= c.cpus_per_node
+    tasks = 1 if c.gpu_binding == "node" else c.gpus_per_node
+    assert c.cpus_per_task == 0 and job["--cpus-per-task"] == step["--cpus-per-task"] == str(cpus * 8 // tasks)
+    assert int(job["--ntasks-per-node"]) == tasks and tasks * int(job["--cpus-per-task"]) <= c.cpus_per_node
+    assert ("export STO_AGENT=8  #" in script) == (tasks == 1) and step["--kill-on-bad-exit"] == "1"
     assert job["--mem"] == "0" and "--wckey" not in job
     if c.gpu_binding == "task":
         assert job["--ntasks"] == str(c.nodes * c.gpus_per_node) and job["--gpus-per-task"] == "1"
@@ -202,11 +206,12 @@ def test_gpu_profile_asks_each_task_its_cpus_memory_and_gpu(name, cluster, overr
 
 
 def test_cpu_profile_asks_srun_for_the_cpus_too():
-    """localslurm (CPU): --cpus-per-task on sbatch and on srun, no GPU option, the site's memory."""
+    """localslurm (CPU): --cpus-per-task on sbatch and on srun (the node agent's: its 2
+    ranks' CPUs), no GPU option, the site's memory."""
     cfg = _compose(["+cluster=localslurm", "cluster.cpus_per_task=2"])
     script = render_script(cfg, build_layout(cfg), RUN_DIR)
     job, step = sbatch_flags(script), srun_flags(script)
-    assert job["--cpus-per-task"] == step["--cpus-per-task"] == "2"
+    assert job["--cpus-per-task"] == step["--cpus-per-task"] == "4" and job["--ntasks-per-node"] == "1"
     assert not {"--mem", "--wckey", "--gpus-per-node", "--gpus-per-task"} & set(job) and "--gpu-bind" not in step
 
 
@@ -229,18 +234,21 @@ def test_submission_equals_dry_run_for_memory_and_binding(tmp_path, overrides):
 
 @pytest.mark.parametrize("overrides,expect", [
     (["+cluster=h100x8", "cluster.nodes=2"],
-     "asked per node: 8 tasks x 13 CPUs = 104 CPUs of cluster.cpus_per_node=104 (cluster.cpus_per_task=0: derived; "
-     "sbatch and srun --cpus-per-task=13); memory: all of the node's (cluster.mem_gb=0: --mem=0); GPU binding node: "
-     "every task sees the node's 8 GPUs and takes cuda:LOCAL_RANK (sbatch --gpus-per-node=8)"),
+     "asked per node: one task, the node's agent, forking 8 ranks x 13 CPUs = 104 CPUs of cluster.cpus_per_node=104 "
+     "(cluster.cpus_per_task=0: derived; sbatch --ntasks-per-node=1, sbatch and srun --cpus-per-task=104); memory: "
+     "all of the node's (cluster.mem_gb=0: --mem=0); GPU binding node: every rank sees the node's 8 GPUs and takes "
+     "cuda:LOCAL_RANK (sbatch --gpus-per-node=8)"),
     (["+cluster=h100x8", "cluster.nodes=2", "cluster.gpu_binding=task", "cluster.mem_gb=512"],
-     "memory: 512 GB (--mem=512GB); GPU binding task: each task sees only its own GPU, cuda:0 (sbatch --ntasks=16 "
-     "--gpus-per-task=1, srun --gpus-per-task=1 --gpu-bind=per_task:1)"),
-    (["+cluster=localslurm"], "asked per node: 2 tasks x 1 CPUs = 2 CPUs of cluster.cpus_per_node=4 "
-     "(cluster.cpus_per_task=1; sbatch and srun --cpus-per-task=1); memory: the site's default (cluster.mem_gb=null: "
-     "no --mem); GPUs: none (cluster.accelerator=cpu)"),
+     "asked per node: 8 tasks x 13 CPUs = 104 CPUs of cluster.cpus_per_node=104 (cluster.cpus_per_task=0: derived; "
+     "sbatch and srun --cpus-per-task=13); memory: 512 GB (--mem=512GB); GPU binding task: each task sees only its "
+     "own GPU, cuda:0 (sbatch --ntasks=16 --gpus-per-task=1, srun --gpus-per-task=1 --gpu-bind=per_task:1)"),
+    (["+cluster=localslurm"], "asked per node: one task, the node's agent, forking 2 ranks x 1 CPUs = 2 CPUs of "
+     "cluster.cpus_per_node=4 (cluster.cpus_per_task=1; sbatch --ntasks-per-node=1, sbatch and srun "
+     "--cpus-per-task=2); memory: the site's default (cluster.mem_gb=null: no --mem); GPUs: none "
+     "(cluster.accelerator=cpu)"),
 ])
 def test_dry_run_says_what_each_node_is_asked(overrides, expect):
-    from launcher.submit import resources_line
+    from launcher.resources import resources_line
 
     line = resources_line(_compose(overrides))
     assert expect in line and "\n" not in line

@@ -56,17 +56,19 @@ def test_ports_differ_between_jobs_and_stay_in_range():
 
 @pytest.mark.parametrize("arg", ["--distribution=cyclic", "--distribution=plane=4", "--distribution=arbitrary",
                                  "-mcyclic", "--distribution=Cyclic:block"])
-def test_a_distribution_other_than_block_is_refused_at_launch(arg):
-    """Ranks are numbered node by node while each task is started by srun (SLURM_PROCID):
-    srun's cyclic, plane and arbitrary distributions are refused in one line."""
+def test_a_distribution_other_than_block_is_refused_at_launch_for_one_task_a_rank(arg):
+    """Ranks are numbered node by node: where each rank is an srun task of its own
+    (cluster.gpu_binding=task, SLURM_PROCID) srun's cyclic, plane and arbitrary
+    distributions are refused in one line; node agents number their ranks themselves."""
     from helpers import compose_run
     from spec.config import ConfigError
     from spec.validate import validate
 
     with pytest.raises(ConfigError) as refused:
-        validate(compose_run(["+cluster=localslurm", f"cluster.srun_args=['{arg}']"]))
+        validate(compose_run(["+cluster=localslurm", "cluster.gpu_binding=task", f"cluster.srun_args=['{arg}']"]))
     line = str(refused.value)
     assert line.startswith(f"cluster.srun_args[0]={arg!r}:") and "--distribution=block" in line and "\n" not in line
+    validate(compose_run(["+cluster=localslurm", f"cluster.srun_args=['{arg}']"]))  # agents: accepted
 
 
 @pytest.mark.parametrize("arg", ["--distribution=block", "--distribution=block:cyclic", "--distribution=*:block"])

@@ -19,6 +19,20 @@ class TrainJob:
         # rather than meeting submitit's handler ("timed-out and not checkpointable": the
         # job ended, never requeued) or, outside submitit, killing the process.
         flag = PreemptionFlag().install()
+        from train.harness.agent import is_agent
+
+        if is_agent():  # one task a node: it forks the node's ranks, each of which runs rank() below
+            from train.harness.agent import run_agent
+            from train.main import warm_imports
+
+            code = run_agent(self.run_dir, lambda: self.rank(flag), warm_imports)
+            if code:
+                exit_now(code)  # srun's --kill-on-bad-exit ends the other nodes' agents
+            return code
+        return self.rank(flag)
+
+    def rank(self, flag) -> int:
+        """One rank of the job (an srun task, or a rank a node's agent forked)."""
         from train.harness.restart import requested
         from train.main import is_user_run, run
 

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from slurm.env import AGENT_ENV
 from spec.rundir import CONFIG, ENTRYPOINT, Status
 from train.harness.preempt import PreemptionFlag
 from train.harness.run import Task, run_task
@@ -37,12 +38,17 @@ def is_user_run(run_dir: str | Path) -> bool:
 
 def warm_imports(run_dir: str) -> None:
     """What every rank of the built-in trainer imports anyway: run once by rank 0 before it
-    forks the other local ranks (:mod:`train.harness.forked`)."""
+    forks the other local ranks (:mod:`train.harness.forked`), or by a node's agent before
+    it forks the node's (:mod:`train.harness.agent`); torch alone for a user's code (which
+    imports the rest itself after the fork)."""
     from spec.config import to_run_config
     from spec.rundir import CONFIG
 
     if is_user_run(run_dir):
-        return  # a user's code: it imports what it imports, after the fork
+        if os.environ.get(AGENT_ENV):  # a node's agent; a local rank 0 runs the code itself
+            import torch  # noqa: F401
+            import torch.distributed  # noqa: F401
+        return
     cfg = to_run_config(Path(run_dir) / CONFIG)
     import torch  # noqa: F401
 

@@ -13,7 +13,7 @@ task starts; :attr:`train.harness.run.Task.segment`). A requeue is a new segment
 restart inside the job or a ``launcher.resume`` (a new job, whose SLURM_RESTART_COUNT
 starts at 0 again), so such a fault does not fire again there.
 
-The step faults (``fault.raise_at_step``, ``oom_at_step``, ``hang_at_step``, ``kill_in_save_at_step``, and
+The step faults (``fault.raise_at_step``, ``oom_at_step``, ``kill_at_step``, ``hang_at_step``, ``kill_in_save_at_step``, and
 each step of ``raise_every_steps``) fire once per run: the segment that first reaches the
 step fires them (on every rank they name) and records it in ``RUN_DIR/faults/NAME.json``
 (``raise_every_steps_STEP.json``); a later segment (a restart inside the job, a requeue, a
@@ -96,6 +96,9 @@ class Faults:
             import torch  # the trainer's, already imported
 
             raise torch.OutOfMemoryError(f"CUDA out of memory (fault.oom_at_step={step + 1}: injected)")
+        if step + 1 == fault.kill_at_step and fault.raise_rank in (-1, self.rank) and \
+                self.once("kill_at_step", step + 1):
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.rank == fault.hardware_fault_rank and step + 1 == fault.hardware_fault_at_step and \
                 self.in_this_segment(fault.hardware_fault_restart):
             raise RuntimeError(f"CUDA error: uncorrectable ECC error encountered (fault.hardware_fault_at_step="

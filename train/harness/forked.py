@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from slurm.env import LOCAL_FORK_ENV
 
@@ -39,25 +39,25 @@ GRACE_S = 10.0  # as the launcher waited for a rank after SIGTERM before SIGKILL
 PR_SET_PDEATHSIG = 1
 
 
-class Supervisor:
-    """Rank 0's view of the children it forked (pid -> rank)."""
+class Forwarding:
+    """A parent of forked ranks (``children``: pid -> rank) that passes the signals it gets
+    on to them, then runs its own handler; a rank forked later inherits the handler, which
+    then runs only the rank's own (``owner``: the parent's pid)."""
 
-    def __init__(self, children: Dict[int, int], run_dir: Optional[str] = None) -> None:
-        self.children = dict(children)
-        self.run_dir = run_dir
-        self.failure: Optional[int] = None  # first failing child's exit status
-        self.failed_rank: Optional[int] = None  # its rank, when it failed before any signal came
-        self.signalled = False  # a signal came to rank 0 (passed on to the children)
-        self.lock = threading.Lock()
-        for sig in (signal.SIGUSR2, signal.SIGTERM):  # passed on, then rank 0's own handler
-            previous = signal.getsignal(sig)
-            signal.signal(sig, self._forwarder(previous))
-        threading.Thread(target=self._watch, name="local-ranks", daemon=True).start()
+    children: Dict[int, int]
+    owner: int
+    signalled: bool = False  # a signal came to the parent (passed on to the children)
+
+    def forward(self, signals) -> None:
+        self.owner = os.getpid()
+        for sig in signals:
+            signal.signal(sig, self._forwarder(signal.getsignal(sig)))
 
     def _forwarder(self, previous) -> Callable:
         def forward(signum, frame) -> None:
-            self.signalled = True
-            self.signal_children(signum)
+            if os.getpid() == self.owner:
+                self.signalled = True
+                self.signal_children(signum)
             if callable(previous):
                 previous(signum, frame)
         return forward
@@ -68,6 +68,19 @@ class Supervisor:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
+
+
+class Supervisor(Forwarding):
+    """Rank 0's view of the children it forked (pid -> rank)."""
+
+    def __init__(self, children: Dict[int, int], run_dir: Optional[str] = None) -> None:
+        self.children = dict(children)
+        self.run_dir = run_dir
+        self.failure: Optional[int] = None  # first failing child's exit status
+        self.failed_rank: Optional[int] = None  # its rank, when it failed before any signal came
+        self.lock = threading.Lock()
+        self.forward((signal.SIGUSR2, signal.SIGTERM))  # passed on, then rank 0's own handler
+        threading.Thread(target=self._watch, name="local-ranks", daemon=True).start()
 
     def _reap(self, block: bool) -> None:
         with self.lock:  # the watcher thread and finish() both reap
@@ -128,23 +141,26 @@ class Supervisor:
                         error=f"rank {self.failed_rank} exited with status {self.failure} (the other ranks were stopped)")
 
 
-def _child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int], parent: int, cluster: Any,
-           forked: int) -> None:
-    """In a forked child: become that rank, run ``entry``, exit (never returns)."""
+def run_child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int], parent: int,
+              logs: Tuple[Path, Path], forked: int) -> None:
+    """In a forked child: become that rank (``rank_env``), send stdout and stderr to
+    ``logs``, take its CPUs, run ``entry``, exit (never returns). ``parent``: the process
+    that forked it (the child dies with it); ``forked``: how many ranks it forked besides
+    itself (local rank 0 here, train/harness/agent.py: none)."""
     code = 1
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # no rank 0: no collective can finish
-        if os.getppid() != parent:  # rank 0 died between the fork and the prctl
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # no rank 0 (no agent): no collective can finish
+        if os.getppid() != parent:  # the parent died between the fork and the prctl
             os._exit(1)
         os.environ.update(rank_env)
         os.environ.pop(LOCAL_FORK_ENV, None)
-        logs = Path(run_dir) / "logs"
-        out = os.open(logs / f"rank{rank_env['RANK']}.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-        _place(cluster, rank_env, run_dir, forked)
+        logs[0].parent.mkdir(parents=True, exist_ok=True)
+        for fd, path in ((1, logs[0]), (2, logs[1])):
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(out, fd)
+            os.close(out)
+        _place(cluster_of(run_dir), rank_env, run_dir, forked)
         code = entry()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -176,19 +192,20 @@ def fork_ranks(run_dir: str, entry: Callable[[], int], warm: Callable[[str], Non
     (Path(run_dir) / "logs").mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    cluster = _cluster(run_dir)
     children: Dict[int, int] = {}
     parent = os.getpid()
+    logs = Path(run_dir) / "logs"
     for rank_env in ranks:
+        out = logs / f"rank{rank_env['RANK']}.out"
         pid = os.fork()
         if pid == 0:
-            _child(rank_env, run_dir, entry, parent, cluster, len(ranks))
+            run_child(rank_env, run_dir, entry, parent, (out, out), len(ranks))
         children[pid] = int(rank_env["RANK"])
-    _place(cluster, os.environ, run_dir, len(ranks))  # rank 0, once its children have the task's CPUs
+    _place(cluster_of(run_dir), os.environ, run_dir, len(ranks))  # rank 0, once its children have the task's CPUs
     return Supervisor(children, run_dir)
 
 
-def _cluster(run_dir: str) -> Any:
+def cluster_of(run_dir: str) -> Any:
     """The run's cluster section (None without a config: nothing is placed)."""
     from spec.config import to_run_config
     from spec.rundir import CONFIG
@@ -203,7 +220,8 @@ def _cluster(run_dir: str) -> Any:
 def _place(cluster: Any, env: Mapping[str, str], run_dir: str, forked: int) -> None:
     """This rank's CPUs (:mod:`train.harness.affinity`), in a child right after the fork,
     before it runs anything: every thread and process it starts inherits them. ``forked``:
-    how many ranks rank 0 forked (the node's local ranks are those and rank 0)."""
+    how many ranks rank 0 forked (the node's local ranks are those and rank 0; without
+    LOCAL_WORLD_SIZE in ``env``)."""
     if cluster is None:
         return
     from train.harness.affinity import bind_rank

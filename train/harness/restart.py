@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
-from slurm.env import expand_hostlist, slurm_job_id
+from slurm.env import AGENT_ENV, expand_hostlist, slurm_job_id
 from slurm.request import read_from, srun_report
 from slurm.states import restart_refusal
 from spec.config import to_run_config
@@ -199,9 +199,12 @@ def _open(info: Mapping[str, Any], job: str, key: str) -> List[int]:
 
 
 def note_start(run_dir: Path, identity: TaskIdentity) -> None:
-    """Rank 0 of a segment the step loop restarted: ``restarted_at`` of its entry."""
+    """Rank 0 of a segment the step loop restarted: ``restarted_at`` of its entry; and the
+    RESTART of an earlier start gone (node agents restart without the step loop, which
+    removes it before each srun: every rank joined, so every agent has read it)."""
     if not identity.in_job_restart:
         return
+    _drop_stale(Path(run_dir), identity.in_job_restart)
 
     def change(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         found = _open(info, identity.job_id, "restarted_at")
@@ -214,6 +217,28 @@ def note_start(run_dir: Path, identity: TaskIdentity) -> None:
         return {"in_job_restarts": entries}
 
     change_run_json(run_dir, change)
+
+
+def _drop_stale(run_dir: Path, start: int) -> None:
+    """Remove RUN_DIR/RESTART when an earlier start than ``start`` wrote it. Taken by a
+    rename first: a newer one written meanwhile is never removed (put back by a link,
+    which a newer file in its place refuses)."""
+    path, taken = run_dir / RESTART, run_dir / f".{RESTART}.{os.getpid()}.stale"
+    try:
+        os.rename(path, taken)
+    except OSError:
+        return
+    try:
+        first = taken.read_text().splitlines()[:1]
+        srun = json.loads(first[0]).get("srun") if first else None
+    except (OSError, ValueError):
+        srun = None
+    try:
+        if isinstance(srun, int) and srun >= start:
+            os.link(taken, path)  # this start's own: back in place
+    except OSError:
+        pass
+    taken.unlink(missing_ok=True)
 
 
 def note_first_row(run_dir: Path, identity: TaskIdentity, row: Mapping[str, Any]) -> None:
@@ -254,7 +279,7 @@ _UNRECORDED = (Status.SUBMITTED, Status.RUNNING, Status.RESTARTING)
 
 
 def after_srun(run_dir: Path, code: int, srun: int, budget: int, job: str, report: Optional[Dict[str, Any]],
-               log: Callable[[str], None]) -> bool:
+               log: Callable[[str], None], detected_by: str = "srun") -> bool:
     """The step loop's call once srun ended with ``code`` and no task asked anything (no
     RUN_DIR/RESTART, no request). srun's ``report`` (:func:`slurm.request.srun_report`)
     names the first task that ended badly: when it died by itself (SIGKILL, the OOM
@@ -265,12 +290,17 @@ def after_srun(run_dir: Path, code: int, srun: int, budget: int, job: str, repor
     node, the signal or exit code) unless a task recorded its own, and :func:`request`'s
     rules decide (never before the run's first step, nor twice for the same error at the
     same step). ``srun``: which start of the step this was; ``budget``:
-    ``cluster.in_job_restarts``; ``job``: the job's id. True when RESTART was written."""
-    culprit = srun_culprit(report, code)
+    ``cluster.in_job_restarts``; ``job``: the job's id. True when RESTART was written.
+    ``detected_by``: "agent" when a node's agent saw its rank end (train/harness/agent.py:
+    ``report`` is its, at once), "srun" when the step loop read srun's report."""
+    culprit = srun_culprit(report, code, detected_by)
     if code == 0 or culprit["signal"] in {s.name for s in _SLURMS}:
         return False  # ended from outside (scancel, the time limit, the warning signal), or not at all
     info = read_run_json(run_dir)
     status, ours = status_of(info), str(info.get("job_id")) == str(job)
+    if status is Status.RESTARTING and any((e.get("job_id"), e.get("srun")) == (job, srun)
+                                           for e in info.get("in_job_restarts") or []):
+        return False  # this start's restart is decided: a rank ending now is one of its echoes
     # a user's code takes the SIGTERM srun sent its peers for a scancel: not one when a task died first
     echo = status is Status.INTERRUPTED and ours and info.get("last_interruption") == "terminated" and bool(report)
     undecided = status is Status.FAILED and ours and info.get("in_job_restart") is None
@@ -294,21 +324,24 @@ def after_srun(run_dir: Path, code: int, srun: int, budget: int, job: str, repor
                    spares=0, culprit=culprit)
 
 
-def srun_culprit(report: Optional[Dict[str, Any]], code: int) -> Dict[str, Any]:
+def srun_culprit(report: Optional[Dict[str, Any]], code: int, detected_by: str = "srun") -> Dict[str, Any]:
     """An in_job_restarts entry's culprit from srun's report (None: srun named no task) and
-    exit status ``code``, with the run's ``error`` line for it."""
+    exit status ``code``, with the run's ``error`` line for it; or from a node agent's
+    (``detected_by="agent"``: its ``task`` is the rank)."""
     sig = report.get("signal") if report else (signal.Signals(code - 128).name if 128 < code < 192 and code - 128 in
                                                signal.valid_signals() else None)
     exit_code = report.get("exit_code") if report else None
     what = (f"killed by {sig}" + (" (out of memory)" if report and report.get("oom") else "")) if sig else \
         f"exited with code {exit_code if exit_code is not None else code}"
     what += f" (exit code {exit_code})" if sig and exit_code is not None else ""
-    error = (f"srun: task {report['task']} on {report['node']} {what} and no task recorded a failure (srun exit "
+    error = (f"agent: rank {report['task']} on {report['node']} {what} and recorded no failure" if report and
+             detected_by == "agent" else
+             f"srun: task {report['task']} on {report['node']} {what} and no task recorded a failure (srun exit "
              f"{code})" if report else f"srun: the step ended with exit {code}{f' ({sig})' if sig else ''}, naming "
              "no task, and no task recorded a failure")
     return {"rank": report["task"] if report else None, "node": report["node"] if report else None, "signal": sig,
             "exit_code": exit_code, "srun_exit": code, "srun_error": report["line"] if report else None,
-            "error": error}
+            "detected_by": detected_by, "error": error}
 
 
 def _placeholder(job: str, srun: int) -> TaskIdentity:
@@ -343,6 +376,8 @@ def main(argv: List[str]) -> int:
         return 2
     run_dir, (code, srun, budget) = Path(argv[1]), map(int, argv[2:5])
     report = srun_report(read_from(argv[5], int(argv[6]) if argv[6].isdigit() else 0)) if len(argv) == 7 else None
+    if report and os.environ.get(AGENT_ENV):  # srun's task is a node's agent, not a rank
+        report = {**report, "task": None}
     after_srun(run_dir, code, srun, budget, slurm_job_id() or "0", report,
                lambda line: print(f"step loop: {line}", file=sys.stderr))
     return 0

@@ -1,0 +1,97 @@
+"""The per-node agent without Slurm (train/harness/agent.py): each rank's variables by
+construction, and an agent forking real ranks in this process's environment of an srun
+task, that records a rank killed without a word and restarts the node's ranks from its warm
+state. The same on the local Slurm cluster: tests/test_kill_on_bad_exit_slurm.py,
+tests/test_in_job_restart_slurm.py."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from slurm.env import task_identity
+from spec.rundir import RESTART, read_run_json, update_run_json
+from train.harness.agent import Agent, is_agent, rank_env, restart_of
+
+# The agent of node 1 of a 2-node step, one srun task a node (srun numbered it task 1).
+AGENT_ENV = {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_NTASKS": "2",
+             "SLURM_NTASKS_PER_NODE": "1", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_ID": "0",
+             "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_CPUS_PER_TASK": "32",
+             "STO_AGENT": "4", "STO_IN_JOB_RESTART": "0"}
+
+
+def test_each_rank_is_numbered_by_construction_and_sees_one_task_a_rank():
+    assert is_agent(AGENT_ENV) and not is_agent({**AGENT_ENV, "STO_AGENT_RANK": "1"})
+    for local in range(4):
+        env = {**AGENT_ENV, **rank_env(AGENT_ENV, local, 4, 2)}
+        te = task_identity(env)
+        assert (te.rank, te.local_rank, te.node_rank, te.world_size, te.local_world_size) == (4 + local, local, 1, 8, 4)
+        assert te.order_error() is None and te.launcher == "srun" and te.in_job_restart == 2
+        assert (te.master_addr, te.master_port) == ("gpu07", task_identity({**env, "STO_IN_JOB_RESTART": "2"}).master_port)
+        assert (env["SLURM_PROCID"], env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"]) == (
+            str(4 + local), str(4 + local), str(local), "1")
+        assert (env["SLURM_NTASKS"], env["SLURM_TASKS_PER_NODE"], env["SLURM_CPUS_PER_TASK"]) == ("8", "4(x2)", "8")
+    # whatever srun's distribution numbered the agent's task: its node decides
+    assert rank_env({**AGENT_ENV, "SLURM_PROCID": "0"}, 0, 4, None)["RANK"] == "4"
+    assert "STO_IN_JOB_RESTART" not in rank_env(AGENT_ENV, 0, 4, None)
+
+
+def _rank(run_dir, first_try_kills):
+    """A rank's entry (node 1's ranks 2 and 3): on its first start rank 3 kills itself, rank
+    2 sleeps outside any collective; on the next start both end at once."""
+    def entry() -> int:
+        rank, marker = int(os.environ["RANK"]), run_dir / "killed"
+        if os.environ["STO_IN_JOB_RESTART"] != "0" or not first_try_kills:
+            (run_dir / f"start{os.environ['STO_IN_JOB_RESTART']}_rank{rank}").write_text(os.environ["SLURM_PROCID"])
+            return 0
+        if rank == 3:
+            marker.write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        return 0
+    return entry
+
+
+@pytest.mark.parametrize("budget", [1, 0])
+def test_a_killed_rank_is_recorded_at_once_and_restarted_from_the_warm_agent(tmp_path, monkeypatch, budget):
+    for key, value in AGENT_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("STO_AGENT", "2")
+    update_run_json(tmp_path, status="running", job_id="77", segments=1, started_at=time.time())
+    (tmp_path / "heartbeat").mkdir()  # the run did steps: a restart is allowed
+    (tmp_path / "heartbeat" / "rank2.json").write_text(json.dumps({"step": 3, "time": time.time()}))
+    start = time.monotonic()
+    code = Agent(str(tmp_path), _rank(tmp_path, True), 2, budget).run()
+    took = time.monotonic() - start
+    info = read_run_json(tmp_path)
+    assert took < 30, took  # rank 2 would sleep 60 s: the agent stopped it
+    if budget == 0:  # no restart left: the agent ends with the dead rank's status, the failure recorded
+        assert code == 128 + signal.SIGKILL and info["status"] == "failed" and info["failure"] == "rank_failure"
+        assert info["dead_ranks"] == [3] and "agent: rank 3 on" in info["error"] and "killed by SIGKILL" in info["error"]
+        return
+    assert code == 0
+    [entry] = info["in_job_restarts"]
+    assert (entry["rank"], entry["signal"], entry["detected_by"], entry["srun"], entry["step"]) == (
+        3, "SIGKILL", "agent", 0, 4), entry
+    assert entry["failed_at"] - float((tmp_path / "killed").read_text()) < 10
+    assert restart_of(str(tmp_path))["srun"] == 0  # the next start's rank 0 removes it (note_start)
+    assert {p.name: p.read_text() for p in tmp_path.glob("start1_rank*")} == {"start1_rank2": "2", "start1_rank3": "3"}
+    assert (tmp_path / "logs" / "rank3.out").exists()  # a rank's output: its own file
+
+
+def test_a_stale_restart_is_removed_by_the_next_start_only(tmp_path):
+    from spec.identity import TaskIdentity
+    from train.harness.restart import note_start
+
+    def identity(start):
+        return TaskIdentity(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0, master_addr="h",
+                            master_port=1, job_id="9", restart_count=0, launcher="srun", in_job_restart=start)
+
+    (tmp_path / RESTART).write_text(json.dumps({"srun": 1}) + "\n")
+    note_start(tmp_path, identity(1))  # its own start's: kept
+    assert restart_of(str(tmp_path))["srun"] == 1
+    note_start(tmp_path, identity(2))  # an earlier start's: gone
+    assert not (tmp_path / RESTART).exists() and not list(tmp_path.glob(f".{RESTART}*"))

@@ -1,0 +1,223 @@
+"""One agent per node: the Slurm task that forks the node's ranks and watches them.
+
+On Slurm (``cluster.agent()``: every binding but ``cluster.gpu_binding=task``) srun starts
+one task a node (sbatch ``--ntasks-per-node=1``, the node's CPUs for it), which the batch
+script marks with ``STO_AGENT`` = ranks per node. That task is the agent
+(:class:`train.job.TrainJob` sees the mark): it imports once what the ranks need (the
+built-in trainer's :func:`train.main.warm_imports`; torch for a user's code), then forks
+the node's ranks, as torchrun's elastic agent and NVIDIA's ft_launcher do. Each child is
+numbered by construction: RANK = SLURM_NODEID x ranks per node + local rank (block order
+whatever srun's ``--distribution``), its SLURM_* variables rewritten to what one srun task
+a rank would have seen (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, ..., so a rank sees what
+it saw before), the torchrun variables, its device by LOCAL_RANK, its CPUs next to its GPU
+(:mod:`train.harness.affinity`, placed in the child before it runs anything) and its
+output in ``RUN_DIR/slurm/<job>_<rank>_log.out|err`` (the names submitit gives task
+<rank>'s; the agent's own lines, prefixed ``agent``, stay in its task's file).
+
+Watching: the agent reaps its ranks every :data:`POLL_S`. A rank that exits non-zero or
+dies by a signal (SIGKILL, the OOM killer, a segfault, SIGABRT from NCCL's watchdog:
+nothing recorded by itself) is recorded at once, before its siblings are stopped
+(:func:`train.harness.restart.after_srun` with ``detected_by="agent"``: run.json's
+``rank_failure`` naming the rank, its node, the signal and the step, and the restart by
+the usual rules), whatever its peers are doing (outside any collective, or in NCCL's,
+which never see a closed socket). A restart of this start of the step
+(``RUN_DIR/RESTART`` whose ``srun`` is the agent's start: asked by any rank of any node,
+or by an agent) stops the node's ranks: :data:`STOP_S` for those already ending by
+themselves (the rank that asked prints its traceback), then SIGKILL (run.json is written
+atomically, checkpoints commit atomically: nothing committed is lost). Then, while the
+restart drops no node, every agent forks fresh ranks for start k+1 from its warm state
+(no imports, no new srun; the rendezvous port follows k+1, and the new segment's rank 0
+removes the old RESTART once every rank joined: :func:`train.harness.restart.note_start`).
+A restart that drops nodes (hot spares), a refusal, or the end of the run ends the agent
+with its ranks' status: srun's ``--kill-on-bad-exit`` ends the other nodes' agents, and
+the batch script's loop (slurm/step_loop.sh) does the rest, as for per-rank tasks.
+
+Signals to the agent (Slurm's USR2 warning, SIGTERM, SIGINT) are passed to its ranks;
+the agent itself never ends before them (Slurm's KillWait ends what is left). A rank
+dies with its agent (``PR_SET_PDEATHSIG``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, Mapping, Optional, Tuple
+
+from slurm.env import AGENT_CHILD_ENV, AGENT_ENV, IN_JOB_RESTART_ENV, in_job_restart, in_srun_task, task_identity
+from spec.rundir import RESTART
+from train.harness.forked import Forwarding, run_child
+
+POLL_S = 0.05  # how often the agent reaps its ranks
+RESTART_POLL_S = 0.25  # how often it looks for RUN_DIR/RESTART (one stat a node)
+STOP_S = 0.5  # once a restart is decided, how long the node's ranks may take to end by themselves
+PASSED = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+
+
+def is_agent(env: Optional[Mapping[str, str]] = None) -> bool:
+    """This process is a node's agent: an srun task the batch script marked, not a rank."""
+    env = os.environ if env is None else env
+    return bool(env.get(AGENT_ENV)) and AGENT_CHILD_ENV not in env and in_srun_task(env)
+
+
+def rank_env(env: Mapping[str, str], local_rank: int, per_node: int, start: Optional[int]) -> Dict[str, str]:
+    """The variables of local rank ``local_rank`` of this node (``env``: the agent's, one srun
+    task a node): block order by construction, the SLURM_* names as one task a rank has
+    them, and torchrun's (:meth:`spec.identity.TaskIdentity.torchrun_vars`)."""
+    node = int(env["SLURM_NODEID"])
+    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or env["SLURM_NTASKS"])
+    rank, world = node * per_node + local_rank, nodes * per_node
+    shape = f"{per_node}(x{nodes})" if nodes > 1 else str(per_node)
+    out = {"SLURM_PROCID": rank, "SLURM_LOCALID": local_rank, "SLURM_NTASKS": world, "SLURM_NPROCS": world,
+           "SLURM_STEP_NUM_TASKS": world, "SLURM_NTASKS_PER_NODE": per_node, "SLURM_TASKS_PER_NODE": shape,
+           "SLURM_STEP_TASKS_PER_NODE": shape, AGENT_CHILD_ENV: 1}
+    cpus = env.get("SLURM_CPUS_PER_TASK")
+    if cpus and cpus.isdigit():  # the node's CPUs were asked for the agent: each rank's share
+        out["SLURM_CPUS_PER_TASK"] = max(1, int(cpus) // per_node)
+    if start is not None:
+        out[IN_JOB_RESTART_ENV] = start
+    out = {k: str(v) for k, v in out.items()}
+    return {**out, **task_identity({**env, **out}).torchrun_vars()}
+
+
+def log_paths(rank: int, run_dir: str) -> Tuple[Path, Path]:
+    """Where rank ``rank``'s stdout and stderr go: submitit's file names for task ``rank``
+    beside the agent's own (``<job>_<task>_log.out``), else RUN_DIR/logs/rank<R>.out|err."""
+    try:
+        mine = Path(os.readlink("/proc/self/fd/1"))
+    except OSError:
+        mine = None
+    task = os.environ.get("SLURM_PROCID", "0")
+    suffix = f"_{task}_log.out"
+    if mine is not None and mine.name.endswith(suffix) and mine.parent.is_dir():
+        stem = mine.name[: -len(suffix)]
+        return mine.with_name(f"{stem}_{rank}_log.out"), mine.with_name(f"{stem}_{rank}_log.err")
+    logs = Path(run_dir) / "logs"
+    return logs / f"rank{rank}.out", logs / f"rank{rank}.err"
+
+
+def restart_of(run_dir: str) -> Optional[dict]:
+    """RUN_DIR/RESTART's entry (its ``srun``: which start asked; ``exclude``: nodes it
+    drops), None without one."""
+    try:
+        text = (Path(run_dir) / RESTART).read_text()
+    except OSError:
+        return None
+    lines = text.splitlines()
+    try:
+        entry = json.loads(lines[0]) if lines else {}
+    except ValueError:
+        entry = {}
+    entry["exclude"] = next((ln[len("exclude="):] for ln in lines if ln.startswith("exclude=")), "")
+    return entry
+
+
+class Agent(Forwarding):
+    """The ranks of one node, forked from this warm process and watched (see the module)."""
+
+    def __init__(self, run_dir: str, entry: Callable[[], int], per_node: int, budget: int) -> None:
+        self.run_dir, self.entry, self.per_node, self.budget = run_dir, entry, per_node, budget
+        self.children: Dict[int, int] = {}  # pid -> rank
+        self.node = int(os.environ["SLURM_NODEID"])
+        self.host = socket.gethostname()
+        self.forward(PASSED)
+
+    def say(self, line: str) -> None:
+        print(f"agent node {self.node} ({self.host}): {line}", file=sys.stderr, flush=True)
+
+    def run(self) -> int:
+        """Fork and watch the node's ranks, start after start; their exit status (0: done)."""
+        start = in_job_restart()
+        while True:
+            code = self.generation(start)
+            asked = restart_of(self.run_dir) if start is not None else None
+            if asked is None or asked.get("srun") != start or asked["exclude"]:
+                return code  # done, refused, or a restart without nodes: the step loop's
+            start += 1
+            self.say(f"restarting the node's ranks from the warm agent (start {start} of the step)")
+
+    def fork(self, start: Optional[int]) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for local in range(self.per_node):
+            env = rank_env(os.environ, local, self.per_node, start)
+            pid = os.fork()
+            if pid == 0:
+                run_child(env, self.run_dir, self.entry, self.owner, log_paths(int(env["RANK"]), self.run_dir),
+                          self.per_node - 1)
+            self.children[pid] = int(env["RANK"])
+
+    def generation(self, start: Optional[int]) -> int:
+        """One start of the node's ranks: the first failure's exit status, else 0."""
+        self.fork(start)
+        failure: Optional[int] = None
+        stop_at: Optional[float] = None
+        look = 0.0
+        while self.children:
+            for rank, code in self.reap():
+                if code == 0 or failure is not None:
+                    continue
+                failure = code
+                if stop_at is None:  # the first death: recorded before its siblings are stopped
+                    self.record(rank, code, start)
+                    stop_at = time.monotonic() + STOP_S
+            now = time.monotonic()
+            if stop_at is None and start is not None and now >= look:
+                asked = restart_of(self.run_dir)
+                if asked is not None and asked.get("srun") == start:
+                    self.say(f"restart asked ({asked.get('reason')}, rank {asked.get('rank')}): stopping the node's ranks")
+                    stop_at = now + STOP_S
+                look = now + RESTART_POLL_S
+            if stop_at is not None and now >= stop_at:
+                self.signal_children(signal.SIGKILL)
+            time.sleep(POLL_S)
+        return _status(failure or 0)
+
+    def reap(self):
+        for pid in list(self.children):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if done:
+                yield self.children.pop(pid), os.waitstatus_to_exitcode(status)
+
+    def record(self, rank: int, code: int, start: Optional[int]) -> None:
+        """A rank of this node ended badly: run.json's failure and the restart, unless a rank
+        recorded its own (:func:`train.harness.restart.after_srun`)."""
+        from slurm.env import slurm_job_id
+        from train.harness.restart import after_srun
+
+        sig = signal.Signals(-code).name if code < 0 and -code in signal.valid_signals() else None
+        what = f"killed by {sig}" if sig else f"exited with code {code}"
+        self.say(f"rank {rank} {what}")
+        report = {"task": rank, "node": self.host, "signal": sig, "exit_code": None if sig else code,
+                  "oom": False, "line": f"agent: rank {rank} on {self.host} {what}"}
+        try:
+            after_srun(Path(self.run_dir), _status(code), start or 0, self.budget if start is not None else 0,
+                       slurm_job_id() or "0", report, self.say, detected_by="agent")
+        except Exception as exc:  # noqa: BLE001 - the failure still ends the step; the loop records it
+            self.say(f"failure not recorded ({type(exc).__name__}: {exc})")
+
+
+def _status(code: int) -> int:
+    """A process's exit status as a shell reports it (a signal N: 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
+def run_agent(run_dir: str, entry: Callable[[], int], warm: Callable[[str], None]) -> int:
+    """The node's agent (``STO_AGENT`` ranks a node): ``warm(run_dir)`` (the workload's
+    imports), then its ranks' lives."""
+    from spec.config import to_run_config
+    from spec.rundir import CONFIG
+
+    per_node = int(os.environ[AGENT_ENV])
+    budget = to_run_config(Path(run_dir) / CONFIG).cluster.in_job_restarts
+    t0 = time.monotonic()
+    warm(run_dir)
+    agent = Agent(run_dir, entry, per_node, budget)
+    agent.say(f"{per_node} ranks from RANK {agent.node * per_node} (imports {time.monotonic() - t0:.1f} s)")
+    return agent.run()
