@@ -284,3 +284,19 @@ def pytest_runtest_protocol(item, nextitem):
         row["tmp_path"] = str(item.sto_tmp_path)
     with open(out, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+FAKE_WORLD = 4096  # the simulated job's ranks (../shared/DESIGN.md: shown at that size in one process)
+
+
+@pytest.fixture
+def fake_world():
+    """This process as the last rank of a FAKE_WORLD-rank job on torch's fake process group."""
+    import torch.distributed as dist
+
+    from train.torch_compat import fake_process_group
+
+    fake_process_group(FAKE_WORLD - 1, FAKE_WORLD)
+    yield FAKE_WORLD
+    if dist.is_initialized():
+        dist.destroy_process_group()

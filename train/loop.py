@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from spec.batch import peak_lr
 from spec.config import RunConfig
@@ -31,6 +30,7 @@ from train.parallelize import parallelize
 from train.profiling import StepProfiler
 from train.steptimes import FIELDS, StepClock, Stragglers, breakdown, peers
 from train.strategies.base import Engine
+from train.torch_compat import all_gather_into
 from train.tracking import Tracking
 
 def lr_at(step: int, cfg: RunConfig, peak: float | None = None) -> float:
@@ -159,8 +159,28 @@ class Agreed:
     profile_due: bool = False  # rank 0 saw RUN_DIR/PROFILE_NOW (train/profiling.py)
 
 
+class StepTable:
+    """The step's all-gather target: one (world, k) tensor kept from step to step and filled
+    by one collective (:func:`train.torch_compat.all_gather_into`), so a step makes no tensor
+    a rank (a list of W tensors is W allocations a step: 4,096 at 4,096 ranks). Allocated
+    again only when k, the dtype or the device changes."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.buffer: Optional[torch.Tensor] = None
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``local`` (1-D, the same length everywhere), row r from rank r."""
+        buf = self.buffer
+        if buf is None or buf.shape[1] != local.numel() or buf.dtype != local.dtype or buf.device != local.device:
+            buf = self.buffer = torch.empty(self.world_size, local.numel(), dtype=local.dtype, device=local.device)
+        all_gather_into(buf, local)
+        return buf
+
+
 def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
-           save_due: bool, clock: StepClock, profile_due: bool = False) -> Agreed:
+           save_due: bool, clock: StepClock, profile_due: bool = False,
+           gathered: Optional[StepTable] = None) -> Agreed:
     """One small all-gather per step carries each rank's loss, grad norm, peak memory,
     preemption flag, (rank 0's) "time to save" and "profile now" (RUN_DIR/PROFILE_NOW,
     train/profiling.py) decisions and step times
@@ -171,7 +191,8 @@ def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm:
     The step's one read of the device by the host is the gathered table: the loss and the
     grad norm join the host's values on the device (no ``.item()`` of either), and on CUDA
     the step clock's wait for the step's last kernel (train/steptimes.py: every rank's busy
-    time is its device time, what the straggler scores compare) comes first."""
+    time is its device time, what the straggler scores compare) comes first. ``gathered``:
+    the loop's :class:`StepTable`, kept from step to step (None: a new one)."""
     ctx, flag = task.ctx, task.flag
     reserved = engine.peak_reserved_bytes()
     task.faults.at_step_end(step, task.watchdog)
@@ -179,12 +200,12 @@ def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm:
             float(profile_due)] + clock.arrive()
     local = torch.cat([torch.stack([loss.detach().reshape(()), grad_norm.detach().reshape(())]).to(torch.float64),
                        torch.tensor(host, dtype=torch.float64).to(loss.device)])
-    gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
+    gathered = StepTable(ctx.world_size) if gathered is None else gathered
     task.watchdog.phase(COLLECTIVE, step)
-    dist.all_gather(gathered, local)
+    table = gathered.gather(local)
     clock.release()
     task.watchdog.progress(step + 1)
-    table = torch.stack(gathered).cpu()
+    table = table.cpu()  # the CPU buffer itself on CPU: read before the next step refills it
     flag.agreed_requeue = bool(table[:, 3].max() >= 2)  # some rank got the user signal
     agreed = Agreed(loss=float(table[:, 0].sum() / ctx.world_size),
                     grad_norm=float(table[:, 1].sum() / ctx.world_size), peak_mem=int(table[:, 2].max()),
@@ -232,6 +253,7 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
     task.watchdog.begin(loader.state.step)
     first = loader.state.step
     clock = StepClock(ctx.device)
+    gathered = StepTable(ctx.world_size)
     t = cfg.train
     stragglers = Stragglers(t.straggler_score, t.straggler_steps, t.straggler_min_s, groups=peers(task.layout))
     loader.pin = ctx.device.type == "cuda"
@@ -250,7 +272,8 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         clock.computed()
         if step + 1 < cfg.train.steps:
             loader.prefetch()  # while the device runs the step (train/data/loader.py)
-        agreed = _agree(task, engine, step, loss, grad_norm, ckpt.policy.asked(), clock, profiler.asked())
+        agreed = _agree(task, engine, step, loss, grad_norm, ckpt.policy.asked(), clock, profiler.asked(),
+                        gathered)
         dt = time.perf_counter() - t0
         val = evaluator.run(engine) if evaluator.due(step + 1) else None
         if ctx.is_main:

@@ -254,6 +254,19 @@ def refuse_compiled_tp_checkpointing(compiled: bool, tensor_parallel: bool, chec
         f"strategy.compile=false, or use torch {_text(FLOOR)}")
 
 
+def all_gather_into(out: torch.Tensor, local: torch.Tensor, group=None) -> None:
+    """Every rank's ``local`` (same shape everywhere) into the contiguous ``out`` of shape
+    (world, \\*local.shape), in rank order: one collective, no tensor a rank. Public
+    ``all_gather_single`` where the release has it (2.13 deprecates its old name,
+    ``all_gather_into_tensor``, with a FutureWarning); that old name on 2.11. Both get the
+    flat form, the only one gloo's CPU allgather takes (the stacked one: "invalid tensor
+    size"); checked on gloo and the fake backend on 2.11 and 2.13."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out.view(-1), local.reshape(-1), group=group)
+
+
 # ---- private torch and DeepSpeed, one function each ----------------------------------------
 
 def foreach_copy(dsts, srcs, non_blocking: bool = False) -> None:

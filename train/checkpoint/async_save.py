@@ -3,10 +3,10 @@
 The training thread hands the state dict (references to the live tensors) to the thread,
 which copies it into host buffers kept from save to save (:class:`Snapshot`: one
 ``_foreach_copy_``, without the GIL; pinned, on a side stream, on GPU), then writes it
-with ``dcp.save`` on a separate gloo group. DCP's own ``async_save`` was not used: it
-starts a new thread per save and its stager walks the state in Python beside the
-training thread, which waits for the GIL for most of the call (bench/checkpoint.py
-measures the stall).
+with ``dcp.save`` on a group of its own (:func:`coordination_group`). DCP's own
+``async_save`` was not used: it starts a new thread per save and its stager walks the
+state in Python beside the training thread, which waits for the GIL for most of the call
+(bench/checkpoint.py measures the stall).
 
 Forward and backward only read the parameters, so the loop goes on at once; a step
 pre-hook on every optimizer waits for the copy before the first update, so the snapshot
@@ -20,6 +20,7 @@ buffers) would make a CUDA context on GPU 0 for every rank of the node (~0.5 GB 
 from __future__ import annotations
 
 import copy
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -102,8 +103,36 @@ def _use_device(index: Optional[int]) -> None:
         torch.cuda.set_device(index)
 
 
+#: torch's switch (documented under "Improving initialization time" in its distributed
+#: docs; read when a gloo group is made, in 2.11 and 2.13) that connects a gloo pair at
+#: its first message instead of every pair when the group is made.
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+
+
+def coordination_group():
+    """The checkpoint thread's own group over every rank, for DCP's planning gathers and
+    scatters and its commit (the training thread's collectives keep the default group).
+
+    Gloo, whose pairs connect lazily (:data:`GLOO_LAZY_INIT`, unless the environment sets
+    it): a gloo group otherwise connects every rank to every other as it is made, W - 1
+    sockets a rank (4,095 at 4,096 ranks), where a save's gathers to rank 0, scatters and
+    broadcasts from it and its all-gather of sizes touch a few peers a rank (rank 0: all;
+    on 12 gloo ranks, two saves connected 3 to 6 of the 11 peers of each other rank).
+    Under the fake backend (one rank of a large job in one process, tests and bench), a
+    fake group: gloo cannot be made there."""
+    if dist.get_backend() == "fake":
+        return dist.new_group(backend="fake")
+    lazy = os.environ.get(GLOO_LAZY_INIT)
+    os.environ[GLOO_LAZY_INIT] = lazy or "1"
+    try:
+        return dist.new_group(backend="gloo")
+    finally:  # only this group: the process's other gloo groups are made as the user asked
+        if lazy is None:
+            os.environ.pop(GLOO_LAZY_INIT, None)
+
+
 class AsyncSaver:
-    """The checkpoint thread of one run, its gloo group and its snapshot buffers.
+    """The checkpoint thread of one run, its group and its snapshot buffers.
 
     ``faults``: the task's fault seam, asked before the snapshot and before the write
     (:meth:`train.harness.faults.Faults.checkpoint_thread`)."""
@@ -118,10 +147,10 @@ class AsyncSaver:
         self.staging_wait_s = 0.0  # time optimizer steps waited for a snapshot, summed
 
     def prepare(self) -> None:
-        """The gloo group (collective when it is made) and the thread, on the calling
-        (training) thread's CUDA device."""
+        """The group (:func:`coordination_group`, collective when it is made) and the
+        thread, on the calling (training) thread's CUDA device."""
         if self._group is None:
-            self._group = dist.new_group(backend="gloo")
+            self._group = coordination_group()
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint",
                                               initializer=_use_device, initargs=(_current_cuda_device(),))

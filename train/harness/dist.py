@@ -14,14 +14,18 @@ before any collective; a CPU profile runs on gloo and the CPU, even where CUDA e
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import gc
+import ipaddress
 import os
 import socket
+import struct
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, MutableMapping, Optional, Tuple
+from typing import Any, Dict, List, MutableMapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,6 +74,49 @@ def nccl_env_defaults(trace_dir: Optional[Path], env: MutableMapping[str, str] =
             applied.update({name: value for name in names})
     env.update(applied)
     return applied
+
+
+def gloo_interface_default(master_addr: str, multi_node: bool,
+                           env: MutableMapping[str, str] = os.environ) -> Optional[str]:
+    """Set ``GLOO_SOCKET_IFNAME``, when unset, to the interface that holds this host's
+    address toward ``master_addr`` (the one the kernel's route to it leaves from), and
+    return it; None when set already or not found. Without it gloo binds to the address
+    its host name resolves to, which is a loopback on hosts whose /etc/hosts maps the
+    name to 127.0.1.1: peers on other nodes then cannot connect. A loopback found for a
+    job of several nodes is not set (the master's own name resolves to it there: gloo's
+    choice is left alone). Standard library only: a UDP socket's connect sends nothing."""
+    if env.get("GLOO_SOCKET_IFNAME"):
+        return None
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(master_addr, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(addr)
+            local = ipaddress.ip_address(probe.getsockname()[0].split("%")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if local.is_loopback and multi_node:
+        return None
+    name = next((n for n, a in _interface_addresses() if a == local), None)
+    if name:
+        env["GLOO_SOCKET_IFNAME"] = name
+    return name
+
+
+def _interface_addresses() -> List[Tuple[str, "ipaddress.IPv4Address | ipaddress.IPv6Address"]]:
+    """(interface, address) of this host: IPv4 by the SIOCGIFADDR ioctl, IPv6 from /proc/net/if_inet6."""
+    found: List[Tuple[str, Any]] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address
+                continue
+            found.append((name, ipaddress.IPv4Address(raw[20:24])))
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/if_inet6").read_text().splitlines():
+            fields = line.split()
+            found.append((fields[-1], ipaddress.IPv6Address(bytes.fromhex(fields[0]))))
+    return found
 
 
 def cuda_devices() -> Tuple[int, str]:
@@ -134,6 +181,7 @@ def init_distributed(timeout_s: int = 600, trace_dir: Optional[Path] = None, acc
         # env:// reads these; under torchrun it also reuses the agent's store
         # (TORCHELASTIC_USE_AGENT_STORE) instead of opening a second server on its port.
         os.environ.update(info.torchrun_vars())
+        gloo_interface_default(info.master_addr, multi_node=info.world_size > info.local_world_size)
         dist.init_process_group(backend, init_method="env://",
                                 rank=info.rank, world_size=info.world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
