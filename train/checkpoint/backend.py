@@ -34,7 +34,7 @@ from train.checkpoint.async_save import AsyncSaver
 from train.checkpoint.dcp_reader import readahead, verifying_reader
 from train.checkpoint.dcp_writer import SUBDIR, summing_writer
 from train.checkpoint.deepspeed_io import DeepSpeedBackend
-from train.checkpoint.manifest import DCP_FILE, CorruptCheckpoint, Sums, manifest_files, share
+from train.checkpoint.manifest import DCP_FILE, CorruptCheckpoint, Sums, Survey, shared_survey
 from train.checkpoint.state import AppState
 
 if TYPE_CHECKING:
@@ -97,9 +97,10 @@ class DCPBackend:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        files = manifest_files(ckpt)
-        mine = share([ckpt / rel for rel in files], self.rank, dist.get_world_size())
-        owned = {p.name: files[rel] for p in mine if self.summed_on_load(rel := str(p.relative_to(ckpt)))}
+        found = shared_survey(ckpt, self.rank, dist.get_world_size(), sizes=False)  # rank 0's, broadcast
+        if found.reason is not None:  # verified just before: only a directory changed since
+            return found.reason
+        owned = self.owned(found)
         readahead([ckpt / SUBDIR / name for name in owned])  # the disk works while DCP plans the load
         try:
             dcp.load({"app": AppState(engine, loading=True)},
@@ -110,6 +111,13 @@ class DCPBackend:
                 raise
             return str(corrupt[0])
         return None
+
+    def owned(self, found: Survey) -> Sums:
+        """This rank's DCP data files, by name, with their manifest entries: its share
+        (:func:`.manifest.owners`) that the reader sums as it loads them. From rank 0's
+        survey: no other rank reads the manifest or looks at a file it does not load."""
+        return {rel.rpartition("/")[2]: [size, crc] for rel, size, crc in found.shares[self.rank]
+                if self.summed_on_load(rel)}
 
 
 def backend_for(shape: Mapping[str, Any], rank: int) -> Backend:

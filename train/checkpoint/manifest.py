@@ -3,17 +3,22 @@
 A step directory is published by :func:`publish`: the manifest (``COMMITTED``) is
 written and fsynced, the temporary directory renamed to its final name, then the
 ``latest`` pointer replaced. :func:`verify` checks a directory against its manifest; with
-several ranks each reads back and sums its share of the files (:func:`share`).
+several ranks, rank 0 alone reads the manifest and looks at every file's size
+(:func:`survey`) and broadcasts each rank's share of the files (:func:`owners`), which
+that rank reads back and sums: a job's file work is linear in its ranks.
 """
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import re
 import shutil
+import stat
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 try:  # ISA-L's CRC32: the same checksum as zlib.crc32 (manifests stay compatible), ~6x faster
     from isal.isal_zlib import crc32
@@ -26,6 +31,7 @@ SUMS = ".crc_rank"  # + "{rank}.json": CRCs of the files a rank wrote, merged in
 DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # DCP's file of writer rank R: __R_N.distcp
 
 Sums = Dict[str, List[int]]  # path relative to the step directory -> [size, CRC32]
+Share = List[Tuple[str, int, int]]  # one rank's files to sum: (relative path, size, CRC32), in order
 
 
 class CorruptCheckpoint(Exception):
@@ -48,19 +54,35 @@ def file_crc32(path: Path, fsync: bool = False) -> int:
     return crc
 
 
+def owners(sizes: Mapping[str, int], world: int) -> Dict[str, int]:
+    """The rank that checksums each file of ``sizes`` (path -> bytes), in the order they are
+    summed (the largest first). DCP's data file written by rank R goes to rank R % world:
+    the rank that reads most of it on resume checksums it as it reads it
+    (:mod:`.dcp_reader`). The rest: each to the least loaded rank (the lowest such rank;
+    a heap, so that rank 0 shares out 2W files among W ranks in W log W)."""
+    load = [0] * world
+    heap = [(0, r) for r in range(world)]  # (load, rank), stale entries skipped: loads only grow
+    owner: Dict[str, int] = {}
+    for path in sorted(sizes, key=lambda p: (-sizes[p], p)):
+        match = DCP_FILE.search(path.rpartition("/")[2])
+        if match:
+            rank = int(match.group(1)) % world
+        else:
+            while heap[0][0] != load[heap[0][1]]:
+                heapq.heappop(heap)
+            rank = heap[0][1]
+        load[rank] += sizes[path]
+        heapq.heappush(heap, (load[rank], rank))
+        owner[path] = rank
+    return owner
+
+
 def share(paths: List[Path], rank: int, world: int) -> List[Path]:
-    """This rank's part of ``paths`` to checksum (every rank computes the same split from the
-    same listing). DCP's data file written by rank R goes to rank R % world: the rank that
-    reads most of it on resume checksums it as it reads it (:mod:`.dcp_reader`). The
-    rest: the largest first, each to the least loaded rank."""
-    load, mine = [0] * world, []
-    for path in sorted(paths, key=lambda p: (-p.stat().st_size, str(p))):
-        match = DCP_FILE.search(path.name)
-        owner = int(match.group(1)) % world if match else load.index(min(load))
-        load[owner] += path.stat().st_size
-        if owner == rank:
-            mine.append(path)
-    return mine
+    """This rank's part of ``paths`` to checksum (:func:`owners` of their sizes, one stat a
+    file; every rank that calls it computes the same split from the same listing)."""
+    by_name = {str(p): p for p in paths}
+    owner = owners({name: p.stat().st_size for name, p in by_name.items()}, world)
+    return [by_name[name] for name, r in owner.items() if r == rank]
 
 
 def checksums(root: Path, paths: List[Path], fsync: bool = False) -> Sums:
@@ -107,29 +129,79 @@ def saved_shape(ckpt: Path) -> Optional[Dict[str, Any]]:
         return None
 
 
-def verify(ckpt: Path, rank: int = 0, world: int = 1, deferred: Callable[[str], bool] = lambda rel: False
-           ) -> Optional[str]:
+@dataclass(frozen=True)
+class Survey:
+    """What rank 0 found in a checkpoint directory, broadcast to the other ranks: why it is
+    not a complete committed checkpoint (``reason``: no or an unreadable manifest, a file
+    missing or of another size than its entry), else nothing wrong so far and each rank's
+    share of the files to read back (``shares[rank]``, :func:`owners`), and the saving run's
+    shape. One object, some 30 bytes a file pickled (270 kB at W = 4,096), so that the
+    other ranks need not read the manifest nor look at a file they do not read."""
+
+    reason: Optional[str]
+    shares: List[Share] = field(default_factory=list)
+    shape: Optional[Dict[str, Any]] = None  # the saving run's (:func:`saved_shape`)
+
+
+def _size_error(ckpt: Path, rel: str, size: int) -> Optional[str]:
+    try:
+        st = os.stat(ckpt / rel)  # one call: exists, a regular file (as Path.is_file), its size
+    except OSError:
+        return f"missing file {rel}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"missing file {rel}"
+    if st.st_size != size:
+        return f"truncated file {rel} ({st.st_size} of {size} bytes)"
+    return None
+
+
+def survey(ckpt: Path, world: int = 1, sizes: bool = True) -> Survey:
+    """Rank 0's look at ``ckpt``: its manifest, every file's size (``sizes``: skipped when
+    the caller verified them already), and the files shared out among ``world`` ranks."""
+    if not (ckpt / MANIFEST).is_file():
+        return Survey("no commit marker")
+    try:
+        content = json.loads((ckpt / MANIFEST).read_text())
+        files: Sums = content["files"]
+    except (OSError, json.JSONDecodeError, KeyError) as exc:
+        return Survey(f"unreadable manifest ({exc})")
+    if sizes:
+        for rel, (size, _) in files.items():
+            reason = _size_error(ckpt, rel, size)
+            if reason is not None:
+                return Survey(reason)
+    shares: List[Share] = [[] for _ in range(world)]
+    for rel, rank in owners({rel: size for rel, (size, _) in files.items()}, world).items():
+        shares[rank].append((rel, *files[rel]))
+    return Survey(None, shares, content.get("shape"))
+
+
+def shared_survey(ckpt: Path, rank: int, world: int, sizes: bool = True) -> Survey:
+    """:func:`survey` made by rank 0 and broadcast (collective when ``world`` > 1)."""
+    if world == 1:
+        return survey(ckpt, 1, sizes)
+    import torch.distributed as dist
+
+    box = [survey(ckpt, world, sizes) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def verify(ckpt: Path, rank: int = 0, world: int = 1, deferred: Callable[[str], bool] = lambda rel: False,
+           found: Optional[Survey] = None) -> Optional[str]:
     """None when ``ckpt`` is a complete committed checkpoint, else the reason it is not.
 
-    Every caller checks the manifest and every file's size; with ``world`` > 1 each rank
-    reads back and checksums only its share of the files (see :func:`share`), so the ranks
-    must combine their answers (``Checkpointer.load_latest`` does). Files for which
-    ``deferred(rel)`` holds are not read here: the caller checksums them as it loads them."""
-    if not (ckpt / MANIFEST).is_file():
-        return "no commit marker"
-    try:
-        files = manifest_files(ckpt)
-    except (OSError, json.JSONDecodeError, KeyError) as exc:
-        return f"unreadable manifest ({exc})"
-    for rel, (size, _) in files.items():
-        path = ckpt / rel
-        if not path.is_file():
-            return f"missing file {rel}"
-        if path.stat().st_size != size:
-            return f"truncated file {rel} ({path.stat().st_size} of {size} bytes)"
-    for path in share([ckpt / rel for rel in files], rank, world):
-        rel = str(path.relative_to(ckpt))
-        if not deferred(rel) and file_crc32(path) != files[rel][1]:
+    Rank 0 checks the manifest and every file's size and tells the others
+    (:func:`shared_survey`: collective when ``world`` > 1; ``found``: that survey, already
+    made); each rank reads back and checksums only its share of the files (see
+    :func:`owners`), so the ranks must combine their answers (``Checkpointer.load_latest``
+    does). Files for which ``deferred(rel)`` holds are not read here: the caller
+    checksums them as it loads them."""
+    found = shared_survey(ckpt, rank, world) if found is None else found
+    if found.reason is not None:
+        return found.reason
+    for rel, _, crc in found.shares[rank]:
+        if not deferred(rel) and file_crc32(ckpt / rel) != crc:
             return f"checksum mismatch in {rel}"
     return None
 

@@ -32,7 +32,7 @@ from train.harness.preempt import PreemptionFlag
 from train.harness import health
 from train.harness.badnodes import ELSEWHERE, REQUEUED, requeue_without_suspects
 from train.harness.restart import Restart
-from train.harness.watchdog import classify_failure
+from train.harness.classify import classify_failure
 
 # This task's stderr and its size when the harness started: faults are looked for in this
 # segment's lines only (submitit appends every segment to one file).
@@ -117,7 +117,9 @@ def record_failure(exc: BaseException, run_dir: Path, rank: int, world_size: int
         if not is_comm_error(exc):  # this rank's own error: the cause, not an echo of a peer's
             fields.update(failed_rank=rank, failed_node=socket.gethostname())
         elif not echo:  # a peer died or the network broke: find out which
-            fields.update(classify_failure(run_dir, world_size, heartbeat_s))
+            # one rank of the segment reads the heartbeats, the others take its verdict
+            segment = restart.segment if restart is not None else None
+            fields.update(classify_failure(run_dir, world_size, heartbeat_s, segment))
             fields.update(slurmd_down(fields) if job else {})
             log.error("failure classified: %s", fields)
         if not echo:

@@ -14,7 +14,8 @@ extension build):
 2. after a short grace for the others to do the same, the first rank to get there
    writes ``hang.json``: every rank's last heartbeat, and the *stuck* ranks: those not
    waiting in a collective (they never arrived), or, if all are waiting, those at the
-   lowest step;
+   lowest step; it alone reads the heartbeats, the others take its report
+   (:func:`train.harness.classify.once`);
 3. every rank exits with status 75, so the run is classified as a hang (run.json
    ``status: failed``, ``error: hang ...``) and requeued only per policy.
 
@@ -50,6 +51,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from spec.rundir import STACK_NOW, STACKS
+from train.harness.classify import classify_failure, once, read_beats, wait_timeout  # noqa: F401 - classify_failure: its old home
 
 HANG_EXIT = 75
 COLLECTIVE = "collective"
@@ -89,39 +91,6 @@ def stuck_ranks(beats: List[Dict[str, Any]]) -> List[int]:
     low = min(b.get("step", 0) for b in beats)
     behind = [b["rank"] for b in beats if b.get("step", 0) == low]
     return sorted(behind) if len(behind) < len(beats) else sorted(absent or behind)
-
-
-def read_beats(run_dir: Path, world_size: int) -> List[Dict[str, Any]]:
-    beats = []
-    for r in range(world_size):
-        try:
-            beats.append(json.loads((run_dir / "heartbeat" / f"rank{r}.json").read_text()))
-        except (OSError, json.JSONDecodeError):
-            beats.append({"rank": r, "phase": "unknown (no heartbeat)", "step": -1})
-    return beats
-
-
-def classify_failure(run_dir: Path, world_size: int, interval_s: float = 1.0) -> Dict[str, Any]:
-    """After a communication error: which ranks died, and did whole nodes go?
-
-    Live ranks keep beating every ``interval_s`` (the watchdog thread runs on while the
-    main thread handles the error); a rank whose heartbeat stopped is dead. A node all of
-    whose ranks are dead is a suspected node failure: resubmission excludes it. Without
-    heartbeats (interval 0) nothing can be told apart: a communication failure.
-    """
-    if interval_s <= 0:
-        return {"failure": "communication", "dead_ranks": [], "suspect_nodes": [], "dead_hosts": []}
-    time.sleep(3 * interval_s)  # let live ranks publish a fresh beat
-    now = time.time()
-    beats = read_beats(run_dir, world_size)
-    dead = [b for b in beats if now - b.get("time", 0) > 2.5 * interval_s]
-    hosts: Dict[str, List[bool]] = {}
-    for b in beats:
-        hosts.setdefault(b.get("host", "?"), []).append(b in dead)
-    nodes = sorted(h for h, states in hosts.items() if all(states) and h != "?")
-    kind = "node_failure" if nodes else ("rank_failure" if dead else "communication")
-    return {"failure": kind, "dead_ranks": sorted(b["rank"] for b in dead), "suspect_nodes": nodes,
-            "dead_hosts": sorted({b.get("host", "?") for b in dead} - {"?"})}
 
 
 def dump_nccl_trace(path: Path) -> Optional[str]:
@@ -270,20 +239,20 @@ class Watchdog:
         trace = dump_nccl_trace(logs / f"nccl_trace_rank{self.rank}.pkl")
         self._beat(hung=True, nccl_trace=trace)
         time.sleep(3 * self.interval_s)  # let every rank dump and publish its heartbeat
-        beats = read_beats(self.run_dir, self.world_size)
-        stuck = stuck_ranks(beats)
-        report = {"detected_by": self.rank, "time": time.time(), "timeout_s": self.limit_s(), "stuck_ranks": stuck,
-                  "in_save": self.save_since is not None,
-                  "stuck_hosts": sorted({b.get("host", "?") for b in beats if b["rank"] in stuck}),
-                  "nccl_trace": trace, "ranks": beats}  # each rank's own trace: ranks[R]["nccl_trace"]
-        try:  # the first rank of this segment to get here writes the report, over an earlier hang's
-            os.close(os.open(self.run_dir / "heartbeat" / f"hang_segment{self.segment}.lock",
-                             os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            tmp = self.run_dir / f"hang.json.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(report, indent=1))
-            os.replace(tmp, self.run_dir / "hang.json")
-        except FileExistsError:
-            pass
+
+        def read() -> Dict[str, Any]:
+            beats = read_beats(self.run_dir, self.world_size)
+            stuck = stuck_ranks(beats)
+            held = set(stuck)
+            return {"detected_by": self.rank, "segment": self.segment, "time": time.time(),
+                    "timeout_s": self.limit_s(), "stuck_ranks": stuck, "in_save": self.save_since is not None,
+                    "stuck_hosts": sorted({b.get("host", "?") for b in beats if b["rank"] in held}),
+                    "nccl_trace": trace, "ranks": beats}  # each rank's own trace: ranks[R]["nccl_trace"]
+
+        # The first rank of this segment to get here reads every heartbeat and writes the
+        # report, over an earlier hang's; the others take its report (not W reads each).
+        report = once(self.run_dir / "heartbeat" / f"hang_segment{self.segment}.lock", self.run_dir / "hang.json",
+                      read, lambda found: found.get("segment") == self.segment, wait_timeout(self.world_size))
         # Every rank that saw the hang records it (the same fields), not only the one that
         # wrote hang.json: a rank exiting here ends its peers (the local launcher's ranks
         # die with rank 0), and the writer might be gone before it recorded (a loaded

@@ -1,0 +1,247 @@
+"""File and metadata work per job is linear in the world size W, shown at W = 512 and 4,096
+in one process: each simulated rank calls what its rank would, rank 0's broadcast object
+handed to the others (the fake process group answers a broadcast locally, so a rank other
+than 0 would receive nothing; rank 0's own call goes through it).
+
+A counter on ``os.stat``, ``os.lstat``, ``os.open``, ``open``/``io.open`` (pathlib's
+``open``), ``os.scandir``, ``os.listdir`` (pathlib's ``glob``, ``iterdir``, ``stat``,
+``is_file`` go through these), ``os.replace`` and ``os.rename`` counts the calls on paths
+under the test's directory, over every simulated rank of a job:
+
+- a restore (``Checkpointer._load_latest``'s file work for one good checkpoint of 2W+1
+  files: W DCP data files, W ``extra_rank{R}.pt``, ``.metadata``): rank 0's listing of
+  the checkpoints, the survey (manifest, sizes) in ``verify`` and again in the DCP
+  backend's ``load``, each rank's checksums of its share, its readahead of the DCP files
+  it loads, its read of the manifest's shape (``saved_shape``) and of its extra state.
+  DCP's own reads inside ``dcp.load`` are not simulated (each rank reads ``.metadata`` and
+  the data it needs: O(1) files a rank);
+- a failure's classification on every rank after a communication error, W heartbeats;
+- a hang's report (``Watchdog._hang`` on every rank: its stacks, its last beat, the
+  report of the stuck ranks), W = 512 (each rank parses the report of W beats: CPU).
+
+Measured before this change, at W = 512: 3,152,902 calls for the restore (~6,158 W: every
+rank stated every file about 6 times and read the manifest 3 times) and 262,144 (= W^2)
+for the classification (every rank read every heartbeat), 264,705 for the hang report
+(the same). Now (see the asserts): the restore about 7 W, the classification about 3 W,
+at both sizes, the hang report about 7 W, under C = 8 each.
+"""
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import os
+import time
+import zlib
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from train.checkpoint import manifest
+from train.checkpoint.backend import DCPBackend
+from train.checkpoint.dcp_reader import readahead
+from train.checkpoint.manifest import committed_steps, owners, saved_shape, share, shared_survey, survey, verify
+from train.harness import classify
+from train.harness.classify import classify_failure, judge, read_beats
+from train.harness.watchdog import Watchdog
+from train.torch_compat import fake_process_group
+
+C = 8  # calls per rank per job, for each of the restore and the classification
+CALLS = [(os, "stat"), (os, "lstat"), (os, "open"), (builtins, "open"), (io, "open"), (os, "scandir"),
+         (os, "listdir"), (os, "replace"), (os, "rename")]
+RANKS_PER_NODE = 8
+DEAD_NODE = 1  # its ranks stopped beating: a node failure
+
+
+@contextmanager
+def counting(root: Path):
+    """A Counter of the calls (by function name) on paths under ``root`` while in the block."""
+    calls: Counter = Counter()
+    prefix = str(root)
+
+    def wrap(name, fn):
+        def counted(path, *args, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and os.fspath(path).startswith(prefix):
+                calls[name] += 1
+            return fn(path, *args, **kwargs)
+        return counted
+
+    saved = [(mod, name, getattr(mod, name)) for mod, name in CALLS]
+    for mod, name, fn in saved:
+        setattr(mod, name, wrap(f"{mod.__name__}.{name}", fn))
+    try:
+        yield calls
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+def fake_checkpoint(root: Path, world: int) -> Path:
+    """A committed step of 2W+1 small files (DCP's layout) with its manifest."""
+    ckpt = root / "checkpoints" / "step_00000004"
+    (ckpt / "dcp").mkdir(parents=True)
+    files = {}
+    for rel, data in [(f"dcp/__{r}_0.distcp", b"d" * (8 + r % 5)) for r in range(world)] + \
+            [(f"extra_rank{r}.pt", b"x%d" % r) for r in range(world)] + [("dcp/.metadata", b"meta" * 9)]:
+        (ckpt / rel).write_bytes(data)
+        files[rel] = [len(data), zlib.crc32(data)]
+    (ckpt / manifest.MANIFEST).write_text(json.dumps({"step": 4, "files": dict(sorted(files.items())),
+                                                      "shape": {"world_size": world}}))
+    return ckpt
+
+
+def restore_as(ckpt: Path, rank: int, world: int, found, loading) -> None:
+    """One rank's file work of a restore; ``found``/``loading``: rank 0's surveys, broadcast."""
+    backend = DCPBackend(rank)
+    if rank == 0:  # Checkpointer._load_latest: stale saves, the committed steps
+        list(ckpt.parent.glob(".tmp-step_*"))
+        committed_steps(ckpt.parent)
+    assert verify(ckpt, rank, world, backend.summed_on_load, found) is None
+    owned = backend.owned(loading)  # DCPBackend.load, before dcp.load
+    assert owned == {rel[4:]: [size, crc] for rel, size, crc in found.shares[rank] if rel.endswith(".distcp")}
+    assert f"__{rank}_0.distcp" in owned  # DCP's file of writer rank R: loaded and summed by rank R
+    thread = readahead([ckpt / "dcp" / name for name in owned])
+    if thread is not None:
+        thread.join()
+    # Checkpointer._extra: saved_shape opens the manifest (not read and parsed here W times:
+    # bytes and CPU, not calls), then state.load_extra opens this rank's file
+    for name in (manifest.MANIFEST, f"extra_rank{rank}.pt"):
+        with open(ckpt / name, "rb"):
+            pass
+
+
+def heartbeats(run_dir: Path, world: int, now: float) -> None:
+    folder = run_dir / "heartbeat"
+    folder.mkdir(parents=True, exist_ok=True)
+    for r in range(world):
+        dead = r // RANKS_PER_NODE == DEAD_NODE
+        (folder / f"rank{r}.json").write_text(json.dumps(
+            {"rank": r, "host": f"n{r // RANKS_PER_NODE}", "step": 7, "phase": "collective",
+             "time": now - 60 if dead else now + 3600}))  # live: fresh however long the test takes
+
+
+@pytest.fixture
+def no_wait(monkeypatch):
+    monkeypatch.setattr(classify.time, "sleep", lambda s: None)  # the three heartbeats' wait
+
+
+@pytest.mark.parametrize("world", [512, 4096])
+def test_a_restore_and_a_failure_cost_each_rank_a_few_calls(tmp_path, world, no_wait):
+    ckpt = fake_checkpoint(tmp_path, world)
+    with counting(tmp_path) as calls:
+        fake_process_group(0, world)
+        try:
+            found = shared_survey(ckpt, 0, world)  # rank 0's look, through the broadcast
+        finally:
+            dist.destroy_process_group()
+        loading = survey(ckpt, world, sizes=False)  # DCPBackend.load's, on rank 0
+        for rank in range(world):
+            restore_as(ckpt, rank, world, found, loading)
+    restore = sum(calls.values())
+    assert len(found.shares) == world and sum(map(len, found.shares)) == 2 * world + 1
+    assert saved_shape(ckpt) == found.shape == {"world_size": world}
+    heartbeats(tmp_path, world, time.time())
+    with counting(tmp_path) as calls:
+        verdicts = [classify_failure(tmp_path, world, 1.0, segment=3) for _ in range(world)]
+    classified = sum(calls.values())
+    dead = list(range(DEAD_NODE * RANKS_PER_NODE, (DEAD_NODE + 1) * RANKS_PER_NODE))
+    assert verdicts[0] == {"failure": "node_failure", "dead_ranks": dead, "suspect_nodes": [f"n{DEAD_NODE}"],
+                           "dead_hosts": [f"n{DEAD_NODE}"]}
+    assert all(v == verdicts[0] for v in verdicts)
+    print(f"W={world}: restore {restore} calls ({restore / world:.2f} W), "
+          f"classification {classified} ({classified / world:.2f} W)")
+    assert restore <= C * world and classified <= C * world
+
+
+def old_share(sizes, rank, world):
+    """The split as it was written before (a linear scan for the least loaded rank)."""
+    load, mine = [0] * world, []
+    for path in sorted(sizes, key=lambda p: (-sizes[p], p)):
+        match = manifest.DCP_FILE.search(path.rpartition("/")[2])
+        owner = int(match.group(1)) % world if match else load.index(min(load))
+        load[owner] += sizes[path]
+        if owner == rank:
+            mine.append(path)
+    return mine
+
+
+def test_the_files_are_shared_out_as_before(tmp_path):
+    import random
+
+    rng = random.Random(5)
+    for world in (1, 2, 3, 7, 16):
+        sizes = {f"dcp/__{r}_0.distcp": rng.choice([0, 5, 9, 9, 40]) for r in range(rng.randint(1, 2 * world))}
+        sizes.update({f"extra_rank{r}.pt": rng.choice([0, 3, 3, 7, 100]) for r in range(world + 3)})
+        sizes["dcp/.metadata"] = 9
+        owner = owners(sizes, world)
+        for rank in range(world):
+            assert [p for p, r in owner.items() if r == rank] == old_share(sizes, rank, world)
+    ckpt = fake_checkpoint(tmp_path, 5)
+    paths = [ckpt / rel for rel in manifest.manifest_files(ckpt)]
+    mine = share(paths, 3, 4)
+    assert [str(p.relative_to(ckpt)) for p in mine] == old_share(
+        {str(p.relative_to(ckpt)): p.stat().st_size for p in paths}, 3, 4)
+
+
+def test_a_bad_checkpoint_gives_every_rank_the_same_answer_as_before(tmp_path):
+    """Rank 0 finds a missing or truncated file for everyone (the message of a single-rank
+    verify); a flipped byte is found by the rank whose share holds the file, and only it."""
+    world = 6
+    ckpt = fake_checkpoint(tmp_path, world)
+    victim = ckpt / "extra_rank2.pt"
+    data = victim.read_bytes()
+    victim.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+    found = survey(ckpt, world)
+    owner = next(r for r in range(world) if any(rel == "extra_rank2.pt" for rel, _, _ in found.shares[r]))
+    answers = [verify(ckpt, r, world, found=found) for r in range(world)]
+    assert answers == [("checksum mismatch in extra_rank2.pt" if r == owner else None) for r in range(world)]
+    assert verify(ckpt) == "checksum mismatch in extra_rank2.pt"
+    victim.write_bytes(data[:1])
+    assert survey(ckpt, world).reason == verify(ckpt) == f"truncated file extra_rank2.pt (1 of {len(data)} bytes)"
+    victim.unlink()
+    assert survey(ckpt, world).reason == verify(ckpt) == "missing file extra_rank2.pt"
+    (ckpt / manifest.MANIFEST).write_text("{")
+    assert verify(ckpt, 1, world, found=survey(ckpt, world)).startswith("unreadable manifest (")
+    (ckpt / manifest.MANIFEST).unlink()
+    assert verify(ckpt, 4, world, found=survey(ckpt, world)) == "no commit marker"
+
+
+def test_the_verdict_is_read_once_else_each_rank_reads_the_beats_itself(tmp_path, no_wait, monkeypatch):
+    """The first rank's verdict is the others' (the same as each would have judged); a
+    verdict that never comes (its reader died after taking the lock) or an old one (another
+    failure's): each rank reads the heartbeats itself, after a bounded wait."""
+    world = 32
+    heartbeats(tmp_path, world, time.time())
+    mine = judge(read_beats(tmp_path, world), time.time(), 1.0)
+    assert mine["failure"] == "node_failure" and mine == classify_failure(tmp_path, world, 1.0)
+    assert [classify_failure(tmp_path, world, 1.0, segment=5) for _ in range(3)] == [mine] * 3
+    assert (tmp_path / "heartbeat" / "classified-5.json").is_file()
+    monkeypatch.setattr(classify, "CLASSIFY_WAIT_S", 0.0)
+    (tmp_path / "heartbeat" / ".classify-6").touch()  # taken, never answered
+    with counting(tmp_path) as calls:
+        assert classify_failure(tmp_path, world, 1.0, segment=6) == mine
+    assert sum(calls.values()) > world  # read by itself
+    old = {"time": time.time() - 3600, "verdict": {"failure": "communication"}}
+    (tmp_path / "heartbeat" / "classified-6.json").write_text(json.dumps(old))
+    assert classify_failure(tmp_path, world, 1.0, segment=6) == mine
+
+
+def test_a_hang_is_reported_from_one_reading_of_the_heartbeats(tmp_path, no_wait, monkeypatch):
+    """Every rank sees the hang; the first reads the heartbeats and writes hang.json, the
+    others record its report."""
+    world = 512
+    heartbeats(tmp_path, world, time.time())
+    exits, reports = [], []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    with counting(tmp_path) as calls:
+        for rank in range(world):
+            Watchdog(tmp_path, rank, rank // RANKS_PER_NODE, f"n{rank // RANKS_PER_NODE}", world, timeout_s=5,
+                     segment=2, on_hang=reports.append)._hang()
+    written = json.loads((tmp_path / "hang.json").read_text())
+    assert written["detected_by"] == 0 and written["stuck_ranks"] == [0]  # its own beat: "startup"
+    assert exits == [75] * world and all(r == written for r in reports)
+    print(f"W={world}: hang report {sum(calls.values())} calls")
+    assert sum(calls.values()) <= C * world
