@@ -17,6 +17,11 @@ verdict per node:
   whose clocks the hardware slows down now;
 - ``ok``.
 
+A node whose inter-node bandwidth is under :data:`SLOW_FRACTION` of ``inter_node_gbps``
+gets network advice under its verdict: what NCCL said it chose (its ``NCCL_DEBUG=INFO``
+network lines, kept by the node's first rank) and the variable to look at
+(:mod:`launcher.netdiag`).
+
 On a CPU cluster the job runs over gloo; its bandwidth is informative only (no verdict
 against GPU figures). Exit status: 0 when no node is faulty, 1 when one is or the job
 failed, 2 for bad input. ``launcher.dry_run=true`` prints the sbatch script and submits
@@ -31,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from launcher.netdiag import diagnose
 from spec.doctor import DOCTOR_JSON, ENTRYPOINT, RANKS_DIR
 
 # A GPU reaching less than half the profile's figure is slow: NVIDIA's large matmuls reach
@@ -131,9 +137,21 @@ def _away_from_gpu(r: Dict[str, Any]) -> Optional[str]:
             f"on NUMA node {gpu}" + (f" ({why})" if why else ""))
 
 
+def network_advice(rows: List[Dict[str, Any]], cluster) -> List[str]:
+    """A node's advice on a slow network (:func:`launcher.netdiag.diagnose`): its ranks'
+    NCCL lines, its slowest inter-node bandwidth, the variables its ranks started with (the
+    profile's ``cluster.env`` where a report has none)."""
+    lines = list(dict.fromkeys(line for r in rows for line in r.get("nccl_lines") or []))
+    env = dict(cluster.env or {})
+    for r in rows:
+        env.update(r.get("net_env") or {})
+    return diagnose(lines, _min(rows, "inter_gbps"), cluster.inter_node_gbps, env, SLOW_FRACTION)
+
+
 def verdicts(report: Dict[str, Any], cluster) -> Dict[str, Dict[str, Any]]:
-    """host -> {"verdict": ok|slow|fault, "reasons": [...]}. Pure. ``cluster``: the run's
-    ClusterConfig (the profile's figures)."""
+    """host -> {"verdict": ok|slow|fault, "reasons": [...]}, with "network": [advice] on a
+    GPU node whose network is slow. Pure. ``cluster``: the run's ClusterConfig (the
+    profile's figures)."""
     nodes = _by_node(report["ranks"])
     gpu = report.get("backend") == "nccl"
     per_node = [t for t in (_min(rows, "matmul_tflops") for rows in nodes.values()) if t is not None]
@@ -146,6 +164,9 @@ def verdicts(report: Dict[str, Any], cluster) -> Dict[str, Dict[str, Any]]:
         slow = _slow(rows, cluster, gpu, median)
         verdict = "fault" if faults else "slow" if slow else "ok"
         out[host] = {"verdict": verdict, "reasons": faults or slow}
+        advice = network_advice(rows, cluster) if gpu else []
+        if advice:
+            out[host]["network"] = advice
     return out
 
 
@@ -188,6 +209,7 @@ def render(report: Dict[str, Any], cluster, judged: Dict[str, Dict[str, Any]]) -
         lines.append("gloo on CPU: bandwidths are informative only (no verdict against GPU figures)")
     for host, v in judged.items():
         lines.append(f"verdict {host}: {v['verdict']}" + (f" ({'; '.join(v['reasons'])})" if v["reasons"] else ""))
+        lines += [f"  network: {advice}" for advice in v.get("network", [])]
     return "\n".join(lines)
 
 
@@ -270,6 +292,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if report.get("partial"):
         print(f"doctor: the job ended before rank 0 gathered every rank's facts: {len(report['ranks'])} rank(s) "
               "above, no bandwidth")
+    if any("network" in v for v in judged.values()):
+        print(f"doctor: NCCL's output, a node's first rank each: {run_dir}/{RANKS_DIR}/nccl-rank*.log")
     print(f"run_dir: {run_dir.resolve()}")
     faulty = any(v["verdict"] == "fault" for v in judged.values())
     return 1 if faulty or code or report.get("partial") else 0

@@ -19,16 +19,25 @@ its binding check, and the run directory are those of a training job. Every rank
    once, as in training), as nccl-tests' bus bandwidth ``bytes * 2(n-1)/n / time``;
 4. rank 0 gathers every rank's facts into ``RUN_DIR/doctor.json``.
 
+On GPU the first rank of each node runs NCCL with ``NCCL_DEBUG=INFO`` and
+``NCCL_DEBUG_SUBSYS=INIT,NET,ENV`` (its profile's own NCCL_DEBUG is overridden for this
+job), written to ``RUN_DIR/doctor/nccl-rank{R}.log``, and keeps NCCL's network lines
+(``nccl_lines``) and the NCCL_* / FI_* / GLOO_* variables it started with (``net_env``),
+from which the login side names the likely culprit of a slow network
+(:mod:`launcher.netdiag`). One per node: the lines are the process's choice of transport,
+the same for every rank of a node, and a file per node, not per rank, is written.
+
 The verdicts are the login side's (:mod:`launcher.doctor`), against the profile's figures.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from spec.config import RunConfig, to_run_config
 from spec.doctor import DOCTOR_JSON, RANKS_DIR
@@ -37,6 +46,12 @@ from spec.rundir import CONFIG
 # plateaus from a few hundred MiB on NVLink), small on CPU so the job takes seconds.
 GPU_ALLREDUCE_NUMEL = 64 << 20  # fp32: 256 MiB
 CPU_ALLREDUCE_NUMEL = 1 << 20  # fp32: 4 MiB
+# NCCL's report of the network it chose: INIT and NET say which transport, interfaces and
+# HCAs, ENV which variables NCCL read (from the environment or /etc/nccl.conf).
+NCCL_DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,ENV"}
+NET_ENV_PREFIXES = ("NCCL_", "FI_", "OFI_NCCL_", "GLOO_")
+NET_MARKERS = ("NET/", "Using network", "Bootstrap", "set by environment to")
+MAX_NCCL_LINES = 40  # distinct network lines kept per rank (doctor.json gathers every rank's)
 
 
 def _write_json(path: Path, data: Dict[str, Any]) -> None:
@@ -108,6 +123,33 @@ def rank_facts(ctx, cfg: RunConfig) -> Dict[str, Any]:
     return facts
 
 
+def capture_nccl(run_dir: Path, rank: int) -> Tuple[Dict[str, str], Path]:
+    """Before the process group: this task's network variables as it got them, then NCCL's
+    INFO lines sent to ``RUN_DIR/doctor/nccl-rank{R}.log`` (NCCL reads them at its first
+    communicator, which :func:`train.harness.dist.init_distributed` creates)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(NET_ENV_PREFIXES)}
+    path = run_dir / RANKS_DIR / f"nccl-rank{rank}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.environ.update(NCCL_DEBUG_ENV, NCCL_DEBUG_FILE=str(path).replace("%", "%%"))  # NCCL expands %h, %p
+    return env, path
+
+
+def nccl_net_lines(text: str, limit: int = MAX_NCCL_LINES) -> List[str]:
+    """NCCL's INFO/WARN lines about the network, each kind once (channels and communicators
+    repeat them with other numbers), the first ``limit``."""
+    out: List[str] = []
+    seen = set()
+    for line in text.splitlines():
+        _, marker, message = line.partition(" NCCL INFO ")
+        if not marker:
+            _, marker, message = line.partition(" NCCL WARN ")
+        key = re.sub(r"\d+", "#", message)
+        if marker and key not in seen and any(m in message for m in NET_MARKERS):
+            seen.add(key)
+            out.append(line.strip())
+    return out[:limit]
+
+
 def _groups(ctx, placement: List[Any]):
     """This rank's node group and cross-node group (same local rank on every node), with
     their sizes; every rank creates every group, in the same order, as torch requires."""
@@ -157,9 +199,14 @@ def check(dcfg=None) -> None:
     from train.harness.preflight import matmul_gflops
     from train.harness.run import rank_logger
 
+    from slurm.env import task_identity
+
     run_dir = Path(os.environ["STO_RUN_DIR"])
     cfg = to_run_config(run_dir / CONFIG)
     t0 = time.time()
+    te = task_identity()
+    first_of_node = cfg.cluster.accelerator == "gpu" and te.local_rank == 0
+    net_env, nccl_log = capture_nccl(run_dir, te.rank) if first_of_node else ({}, None)
     ctx = init_distributed(timeout_s=cfg.train.dist_timeout_s, accelerator=cfg.cluster.accelerator,
                            gpu_binding=cfg.cluster.gpu_binding)
     # the CPUs a training rank would get (cluster.cpu_bind; a forked local rank has them already)
@@ -171,6 +218,9 @@ def check(dcfg=None) -> None:
     facts["matmul_tflops"] = matmul_gflops(ctx.device, small) / 1e3
     facts["matmul"] = "fp32 512x512" if small else "bf16 8192x8192"
     facts.update(bandwidths(ctx))
+    if nccl_log is not None:
+        facts["net_env"] = net_env
+        facts["nccl_lines"] = nccl_net_lines(nccl_log.read_text(errors="replace")) if nccl_log.exists() else []
     _write_json(run_dir / RANKS_DIR / f"rank{ctx.rank}.json", facts)
     ranks: List[Any] = [None] * ctx.world_size
     dist.all_gather_object(ranks, facts)
