@@ -13,6 +13,7 @@ slot still leaves what it did. Rows (one GPU is enough):
   backend nccl and matmul tf32, the loss falls;
 - ``parity/bf16``: after them, every engine row's losses within 2% of engine/ddp's at every
   step (one maths for every engine, compiled or eager: tests/test_bf16_parity.py on CPU);
+- ``binding/agent``: a node's agent forking its rank on the GPU (device, CPUs near it);
 - ``binding/node``, ``binding/task``: a task with LOCAL_RANK 3 that sees one GPU
   (CUDA_VISIBLE_DEVICES of one device): binding ``task`` takes cuda:0 and trains under
   ZeRO-2 (DeepSpeed sets its device from LOCAL_RANK unless told); binding ``node`` is
@@ -199,7 +200,7 @@ def rows(scratch: Path, fast: Speed = Speed()) -> List[Row]:
                     failed_run, run_dir=run_dir)
         out.append(Row(f"resume/{strategy}", launcher_argv(*args), resumed_like(reference), before=crash,
                        run_dir=run_dir))
-    for binding in ("task", "node"):  # the row script judges (bench/gpu_check_binding.py)
+    for binding in ("task", "node", "agent"):  # the row script judges (bench/gpu_check_binding.py)
         argv = [sys.executable, str(REPO / "bench/gpu_check_rows.py"), f"binding_{binding}", str(scratch)]
         out.append(Row(f"binding/{binding}", argv, exited_ok, launch=False,
                        env={"CUDA_VISIBLE_DEVICES": os.environ.get("STO_GPU_CHECK_DEVICE", "0")}))

@@ -14,6 +14,8 @@
   device). Under ``cluster.gpu_binding=task`` the harness takes cuda:0 and a ZeRO-2 step
   runs there (DeepSpeed takes LOCAL_RANK's device unless told); under ``node`` the task
   is refused at start in one line.
+- ``binding_agent SCRATCH``: the node agent as srun starts it (one task a node), forking
+  one rank on this GPU: its device cuda:0 and its CPUs on its GPU's NUMA node.
 - ``parity SCRATCH``: every engine row's losses within 2% of engine/ddp's at every step.
 
 ``--dry`` checks what can be checked without a GPU (a node without nvidia-smi is skipped,
@@ -145,7 +147,12 @@ def main(argv: list) -> int:
         from bench.gpu_check_binding import binding_row
 
         return binding_row(name.split("_")[1], Path(args[1]), dry)
-    print(f"unknown row {name!r}: health, write_hf DIR, binding_task SCRATCH, binding_node SCRATCH, parity SCRATCH")
+    if name == "binding_agent":
+        from bench.gpu_check_binding import agent_row
+
+        return agent_row(Path(args[1]), dry)
+    print(f"unknown row {name!r}: health, write_hf DIR, binding_task SCRATCH, binding_node SCRATCH, binding_agent "
+          "SCRATCH, parity SCRATCH")
     return 2
 
 

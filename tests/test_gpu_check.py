@@ -12,7 +12,7 @@ import warm
 
 from conftest import REPO
 
-ROWS = {"health", "binding/task", "binding/node", "hf/zero3", "hf/zero3:write", "accelerate/zero2", "profile/memory",
+ROWS = {"health", "binding/task", "binding/node", "binding/agent", "hf/zero3", "hf/zero3:write", "accelerate/zero2", "profile/memory",
         "train/packed", "train/packed:data", "packed/equal",
         "accelerate/fsdp", "doctor", "resume/fsdp", "resume/fsdp:crash", "resume/zero2", "resume/zero2:crash",
         *(f"engine/{s}" for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "pp",
@@ -99,7 +99,7 @@ def test_a_resume_row_brings_the_engine_row_it_is_compared_with(tmp_path):
 
     every = rows(tmp_path)
     assert [r.name for r in select(every, ["resume/zero2"])] == ["engine/zero2", "resume/zero2"]
-    assert [r.name for r in select(every, ["binding"])] == ["binding/task", "binding/node"]
+    assert [r.name for r in select(every, ["binding"])] == ["binding/task", "binding/node", "binding/agent"]
     assert len(select(every, None)) == len(every)
 
 
