@@ -12,6 +12,8 @@ task a rank refuses a cyclic distribution at launch, before any job.
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 
@@ -102,5 +104,12 @@ def test_a_cyclic_distribution_keeps_tensor_parallel_inside_a_node_or_is_refused
         assert read_run_json(run_dir)["status"] == "completed", name
         hosts = [json.loads((run_dir / "heartbeat" / f"rank{r}.json").read_text())["host"] for r in range(4)]
         assert hosts[0] == hosts[1] != hosts[2] == hosts[3], (name, hosts)  # each TP pair on one node
+        # each forked rank's CPUs: its share of its task's (the local cluster binds nothing: the
+        # task has this machine's CPUs, split evenly between the node's two ranks)
+        placed = [re.search(r"rank \d+: CPUs (\S+) \((.*)\)", (run_dir / "logs" / f"rank{r}.log").read_text())
+                  for r in range(4)]
+        assert all(m and "an even split of the task's" in m.group(2) for m in placed), placed
+        if len(os.sched_getaffinity(0)) >= 2:  # one CPU: both ranks share it
+            assert placed[0].group(1) != placed[1].group(1) and placed[2].group(1) != placed[3].group(1), placed
     block, cyclic_rows = (read_metrics(runs[n][1]) for n in ("block", "cyclic"))
     assert [r["loss"] for r in cyclic_rows] == [r["loss"] for r in block] and len(block) == 4

@@ -52,7 +52,11 @@ from spec.rundir import RESTART
 from train.harness.forked import Forwarding, run_child
 
 POLL_S = 0.05  # how often the agent reaps its ranks
-RESTART_POLL_S = 0.25  # how often it looks for RUN_DIR/RESTART (one stat a node)
+# How often it looks for RUN_DIR/RESTART (one stat a node): every 0.25 s, or less often from
+# 256 nodes on, so that the job's agents together stat the shared filesystem at most 1,024
+# times a second (512 nodes: every 0.5 s), about what their ranks' heartbeats write.
+RESTART_POLL_S = 0.25
+STATS_PER_S = 1024
 STOP_S = 0.5  # once a restart is decided, how long the node's ranks may take to end by themselves
 PASSED = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
@@ -122,6 +126,8 @@ class Agent(Forwarding):
         self.run_dir, self.entry, self.per_node, self.budget = run_dir, entry, per_node, budget
         self.children: Dict[int, int] = {}  # pid -> rank
         self.node = int(os.environ["SLURM_NODEID"])
+        nodes = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+        self.look_s = max(RESTART_POLL_S, nodes / STATS_PER_S)
         self.host = socket.gethostname()
         self.forward(PASSED)
 
@@ -170,7 +176,7 @@ class Agent(Forwarding):
                 if asked is not None and asked.get("srun") == start:
                     self.say(f"restart asked ({asked.get('reason')}, rank {asked.get('rank')}): stopping the node's ranks")
                     stop_at = now + STOP_S
-                look = now + RESTART_POLL_S
+                look = now + self.look_s
             if stop_at is not None and now >= stop_at:
                 self.signal_children(signal.SIGKILL)
             time.sleep(POLL_S)

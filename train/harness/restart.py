@@ -336,7 +336,8 @@ def srun_culprit(report: Optional[Dict[str, Any]], code: int, detected_by: str =
     what += f" (exit code {exit_code})" if sig and exit_code is not None else ""
     error = (f"agent: rank {report['task']} on {report['node']} {what} and recorded no failure" if report and
              detected_by == "agent" else
-             f"srun: task {report['task']} on {report['node']} {what} and no task recorded a failure (srun exit "
+             f"srun: {'the node agent' if report['task'] is None else 'task ' + str(report['task'])} on "
+             f"{report['node']} {what} and no task recorded a failure (srun exit "
              f"{code})" if report else f"srun: the step ended with exit {code}{f' ({sig})' if sig else ''}, naming "
              "no task, and no task recorded a failure")
     return {"rank": report["task"] if report else None, "node": report["node"] if report else None, "signal": sig,
