@@ -48,13 +48,21 @@ The first attempt's start-up and the last one's exit are paid by any run: shown 
 
 ``--mode fault`` runs the same job with a rank that crashes every ``--period`` seconds
 (``--faults`` times), each restarted inside the job from the last checkpoint: per fault
-its detection, restart, restore and first step (goal: their sum <= 10 s) and the steps
-lost, then the goodput (bench/goodput_faults.py says how each is read). ``--mode both``
-runs the preemption run, then the fault run, and prints their goodput side by side.
+its detection, restart, restore and first step (goal with the node agents: the raise ->
+the first step's end <= 3 s) and the steps lost, then the goodput
+(bench/goodput_faults.py says how each is read). ``--mode both`` runs the preemption run,
+then the fault run, and prints their goodput side by side.
+
+``--process-model``: ``agent`` (the default process model: one srun task a node, which
+imports once and forks the node's ranks, and restarts them inside the same srun:
+train/harness/agent.py), ``task`` (``cluster.gpu_binding=task``: one srun task a rank,
+each importing torch cold; a restart is the batch script's step loop starting a new srun)
+or ``both`` (the default): each mode's run once with each, the agent's first, then their
+figures per event and their means side by side, with agent / task.
 
     flock /tmp/slurm-cluster.lock .venv/bin/python bench/goodput.py \\
-        [--mode preempt|fault|both --period 180 --preemptions 3 --faults 3 --ckpt-every 30
-         --fault-rank 3 --step-delay 0.5 --steps N --hold 2 --keep]
+        [--mode preempt|fault|both --process-model agent|task|both --period 180 --preemptions 3
+         --faults 3 --ckpt-every 30 --fault-rank 3 --step-delay 0.5 --steps N --hold 2 --keep]
     (short try: --mode both --period 60 --preemptions 2 --faults 2)
 """
 from __future__ import annotations
@@ -74,7 +82,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import goodput_faults  # noqa: E402  (--mode fault)
-from goodput_faults import BUILT, RESUMED, STARTING, kept_spans, submitit_events, table  # noqa: E402  (the same reading of the logs)
+from goodput_faults import BUILT, RESUMED, STARTING, agent_imports, kept_spans, submitit_events, table  # noqa: E402  (the same reading of the logs)
 from checkpoint import CONF, ENDED, log_events, submit  # noqa: E402  (bench/checkpoint.py: the same run, its log)
 from slurm import query  # noqa: E402
 from spec.rundir import read_metrics, read_run_json  # noqa: E402
@@ -83,6 +91,8 @@ SIGNAL = re.compile(r"^signal agreed at step (\d+): received by rank 0 at ([0-9.
 COMMIT = re.compile(r"^checkpoint step (\d+) committed in ([0-9.]+) s")
 REQUEUE = re.compile(r"checkpoint committed; requeue of job")
 EXITING = re.compile(r"^Exiting after")
+# the overrides of each process model (``--process-model``)
+MODELS = {"agent": (), "task": ("cluster.gpu_binding=task",)}
 
 
 def preempt(hosts: list, hold: float, env: dict) -> str:
@@ -114,8 +124,9 @@ def accounting(jobs: list, env: dict, attempts: int, timeout: float = 30) -> dic
 
 def drive(args, env: dict, work: Path) -> dict:
     """Submit, preempt on schedule, wait for the end. Every time on time.time()'s clock."""
-    job, run_dir = submit(work, "run", args.steps, args.step_delay, env)
-    print(f"job {job}, run directory {run_dir}", flush=True)
+    job, run_dir = submit(work, f"run-{args.process_model}", args.steps, args.step_delay, env, extra=args.overrides)
+    print(f"job {job}, run directory {run_dir} (process model {args.process_model}"
+          f"{''.join(' ' + o for o in args.overrides)})", flush=True)
     deadline = time.time() + args.timeout
     highs = []  # (job id, submitted at)
     t_first = None
@@ -150,6 +161,7 @@ def after(events: list, pattern: re.Pattern, t: float):
 def analyse(res: dict) -> dict:
     rows, events, attempts = res["rows"], res["events"], res["acct"][res["job"]]
     sub = submitit_events(res["run_dir"], res["job"])
+    imports = agent_imports(res["run_dir"], res["job"])  # one an attempt with node agents, none without
     resumed = {int(m.group(2)): int(m.group(1)) for _, msg in events if (m := RESUMED.search(msg))}
     spans = kept_spans(rows, resumed)
     per = []
@@ -179,7 +191,8 @@ def analyse(res: dict) -> dict:
             # the splits
             requeue_call=t_requeue - t_commit, py_done=t_exited - t_requeue,
             teardown=requeued - (t_requeue if math.isnan(t_exited) else t_exited), pending=start - requeued,
-            held=held, launch=t_python - start, init=t_built - t_python, first=first - t_resumed))
+            held=held, launch=t_python - start, init=t_built - t_python, first=first - t_resumed,
+            imports=imports[k + 1] if k + 1 < len(imports) else math.nan))
     wall_start, wall_end = attempts[0]["start"], attempts[-1]["end"]
     first, last = min(spans), max(spans)
     t_last_exit, _ = after(sub, EXITING, spans[last][1])
@@ -192,7 +205,7 @@ def analyse(res: dict) -> dict:
 
 def report(res: dict, a: dict, args) -> None:
     info = res["info"]
-    print(f"\ngoodput: job {res['job']}, 2 nodes x 2 tasks, tiny model, DDP (gloo), "
+    print(f"\ngoodput, process model {args.process_model}: job {res['job']}, 2 nodes x 2 ranks, tiny model, DDP (gloo), "
           f"fault.step_delay_s={args.step_delay}, {args.steps} steps; a high-partition job on the run's nodes "
           f"(sleep {args.hold:g}) every {args.period:g} s, {len(res['highs'])} sent")
     print(f"run: status {info.get('status')}, segments {info.get('segments')}, preemptions "
@@ -205,13 +218,14 @@ def report(res: dict, a: dict, args) -> None:
           "start of the first step after (save + requeue call + requeue wait + start-up + restore, +-1 s of sacct)")
     table("split", (("slurm signal", "slurm_signal"), ("requeue call", "requeue_call"), ("->py done", "py_done"),
                     ("py->requeued", "teardown"), ("pending", "pending"), ("(held)", "held"),
-                    ("launch", "launch"), ("init+build", "init"), ("1st step", "first")),
+                    ("launch", "launch"), ("init+build", "init"), ("(imports)", "imports"), ("1st step", "first")),
           a["per"], "  slurm signal: high job submitted -> rank 0's handler; requeue call: commit -> rank 0's 'requeue "
           "of job' line (scontrol requeue: Slurm's End);\n  ->py done: submitit's 'Exiting' line of task 0 (nan: none, the task ended "
           "with os._exit after its requeue); py->requeued: from that exit (else from the requeue call), or KillWait's "
           "SIGKILL, until Slurm requeues (the next attempt's Submit);\n  pending: Submit -> Start ((held): the high "
           "job's run); launch: Start -> submitit's 'Starting' line (srun, Python);\n  init+build: -> 'rank 0 coords' "
-          "(imports, rendezvous, model build); 1st step: 'resumed' -> the first step's start")
+          "(imports, rendezvous, model build; (imports): node 0's agent's own, nan without agents);\n  1st step: "
+          "'resumed' -> the first step's start")
     done = [p for p in a["per"] if p]
     wall, useful, requeue = a["wall"], a["useful"], a["requeue"]
     cost = sum(p["cost"] for p in done)
@@ -244,10 +258,72 @@ def side_by_side(pre: dict, fault: dict) -> None:
         print(f"{name:<16} {a:>11{fmt}} {b:>11{fmt}}")
 
 
+def compare(title: str, cols: tuple, per: dict, note: str = "") -> None:
+    """Each event's figures under both process models (``per``: model -> its per-event
+    dicts, None where one never took effect), their means (nan values left out) and the
+    ratio of the means, agent / task."""
+    n = max(len(v) for v in per.values())
+    head = " ".join(f"{'#' + str(k + 1):>6}" for k in range(n)) + f" {'mean':>6}"
+    print(f"\n{title}\n{'':<16} {'agent':^{len(head)}} | {'task':^{len(head)}} | agent/task")
+    print(f"{'(seconds)':<16} {head} | {head} |")
+    for name, key in cols:
+        cells, means = [], []
+        for model in ("agent", "task"):
+            vals = [p[key] if p else math.nan for p in per[model]] + [math.nan] * (n - len(per[model]))
+            done = [v for v in vals if not math.isnan(v)]
+            means.append(sum(done) / len(done) if done else math.nan)
+            cells.append(" ".join(f"{v:>6.2f}" for v in vals) + f" {means[-1]:>6.2f}")
+        ratio = means[0] / means[1] if means[1] else math.nan
+        print(f"{name:<16} {cells[0]} | {cells[1]} | {ratio:>10.2f}")
+    if note:
+        print(note)
+
+
+def compare_preemptions(pre: dict) -> None:
+    """``--mode preempt --process-model both``: per preemption, agent vs task."""
+    compare("per preemption, process model agent vs task (cluster.gpu_binding=task)",
+            (("start-up", "startup"), ("launch", "launch"), ("init+build", "init"), ("(agent imports)", "imports"),
+             ("restore", "restore"), ("1st step", "first"), ("requeue wait", "requeue"), ("save", "save"),
+             ("cost", "cost")),
+            {m: a["per"] for m, a in pre.items()},
+            "  start-up: Slurm's Start -> the first step's start, less the restore; launch: Start -> task 0's submitit "
+            "'Starting' (srun; the agent or the rank);\n  init+build: -> 'rank 0 coords' (imports: once a node with the "
+            "agent, once a rank without; the fork; rendezvous; the model);\n  (agent imports): node 0's agent's own, "
+            "part of init+build; restore: -> 'resumed'; 1st step: -> the first step's start;\n  cost: end of the last "
+            "kept step -> start of the first step after")
+    for name, key, fmt in (("first start-up", "initial", ".1f"), ("wall time", "wall", ".1f"),
+                           ("useful time", "useful", ".1f"), ("goodput", None, ".3f")):
+        a, t = (pre[m]["useful"] / pre[m]["wall"] if key is None else pre[m][key] for m in ("agent", "task"))
+        print(f"{name:<16} agent {a:>8{fmt}}   task {t:>8{fmt}}   agent/task {a / t if t else math.nan:.2f}")
+
+
+def compare_faults(fault: dict) -> None:
+    """``--mode fault --process-model both``: per fault, agent vs task, and the goal."""
+    compare("per fault, process model agent vs task (cluster.gpu_binding=task)",
+            (("detection", "detection"), ("restart", "restart"), ("init", "init"), ("build", "build"),
+             ("load", "load"), ("restore", "restore"), ("1st step", "first"), ("crash->1st step", "to_first"),
+             ("crash->its end", "total"), ("downtime", "downtime"), ("lost", "lost"), ("cost", "cost")),
+            {m: s["per"] for m, s in fault.items()},
+            "  restart: the last 'training failed' -> the new ranks start (task: a new srun's task 0; agent: the "
+            "forked rank 0); init: -> run.json's restarted_at (imports, rendezvous);\n  build: -> 'rank 0 coords'; "
+            "load: -> 'resumed'; crash->1st step: the raise -> the first step's start; crash->its end: -> its end;\n"
+            "  downtime: run.json's failed_at -> restarted_at; cost: end of the last kept step -> start of the first "
+            "step after")
+    for model in fault:
+        done = [p["total"] for p in fault[model]["per"] if p]
+        verdict = ("met" if max(done) <= goodput_faults.GOAL_S else "not met") if done else "no fault took effect"
+        print(f"crash -> first step's end, {model}: mean {sum(done) / len(done) if done else math.nan:.2f} s, max "
+              f"{max(done) if done else math.nan:.2f} s: goal <= {goodput_faults.GOAL_S:g} s {verdict}; goodput "
+              f"{fault[model]['goodput']:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("preempt", "fault", "both"), default="preempt",
                         help="preemptions, a crashing rank restarted inside the job, or both runs one after the other")
+    parser.add_argument("--process-model", choices=("agent", "task", "both"), default="both",
+                        help="agent: one srun task a node forking its ranks (the default process model); task: "
+                             "cluster.gpu_binding=task, one srun task a rank; both: each mode's run with each, compared")
     parser.add_argument("--period", type=float, default=180, help="seconds between preemptions (or faults)")
     parser.add_argument("--preemptions", type=int, default=3, help="how many, then the run finishes")
     parser.add_argument("--faults", type=int, default=3, help="fault mode: how many crashes, then the run finishes")
@@ -271,21 +347,36 @@ def main() -> None:
     env = dict(os.environ, SLURM_CONF=str(CONF), PYTHONPATH=str(REPO))
     args.load = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-", dir=os.environ.get("BENCH_DIR")))
+    models = ("agent", "task") if args.process_model == "both" else (args.process_model,)
     try:
-        pre = fault = None
+        pre, fault = {}, {}
         if args.mode in ("preempt", "both"):
-            res = drive(args, env, work)
-            pre = analyse(res)
-            report(res, pre, args)
+            for model in models:
+                pargs = argparse.Namespace(**{**vars(args), "process_model": model, "overrides": MODELS[model],
+                                              "load": os.getloadavg()})
+                res = drive(pargs, env, work)
+                pre[model] = analyse(res)
+                report(res, pre[model], pargs)
         if args.mode in ("fault", "both"):
-            fargs = argparse.Namespace(**{**vars(args), "steps": fault_steps, "timeout": None})
-            res = goodput_faults.drive(fargs, env, work)
-            fault = goodput_faults.summary(res)
-            goodput_faults.report(res, fault, fargs)
-            print(f"load average (1 min) {args.load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
-                  f"{os.cpu_count()} CPUs")
-        if pre and fault:
-            side_by_side(pre, fault)
+            for model in models:
+                fargs = argparse.Namespace(**{**vars(args), "steps": fault_steps, "timeout": None,
+                                              "process_model": model, "overrides": MODELS[model]})
+                load = os.getloadavg()[0]
+                res = goodput_faults.drive(fargs, env, work)
+                fault[model] = goodput_faults.summary(res)
+                goodput_faults.report(res, fault[model], fargs)
+                print(f"load average (1 min) {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
+                      f"{os.cpu_count()} CPUs")
+        for model in models:
+            if model in pre and model in fault:
+                print(f"\nprocess model {model}:", end="")
+                side_by_side(pre[model], fault[model])
+        if len(models) == 2 and pre:
+            compare_preemptions(pre)
+        if len(models) == 2 and fault:
+            compare_faults(fault)
+        print(f"\nload average (1 min) {args.load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
+              f"{os.cpu_count()} CPUs")
     finally:
         if not args.keep:
             subprocess.run(["rm", "-rf", str(work)])

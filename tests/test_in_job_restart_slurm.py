@@ -90,7 +90,7 @@ def test_a_taken_rendezvous_port_is_restarted_inside_the_job(tmp_path, slurm_clu
     rows = read_metrics(run_dir)
     assert [r["loss"] for r in rows] == [reference[r["step"]] for r in rows] and {r["step"] for r in rows} == set(reference)
     assert final_states(job, slurm_cluster) == ["COMPLETED"]
-    err = "".join(p.read_text() for p in (run_dir / "slurm").glob("*_1_log.err"))  # node 1's agent and rank 1
+    err = "".join(p.read_text() for p in (run_dir / "slurm").glob("*_agent1_log.err"))  # node 1's agent
     assert "restart asked (rendezvous, rank 0): stopping the node's ranks" in err, err[-3000:]
     assert "restarting the node's ranks from the warm agent (start 1 of the step)" in err, err[-3000:]
 

@@ -69,8 +69,8 @@ def test_a_users_rank_killed_outside_any_collective_is_seen_by_its_agent(tmp_pat
     job, run_dir, restart = killed_and_restarted(tmp_path, slurm_cluster, [])
     assert restart["detected_by"] == "agent" and restart["srun"] == 0, restart
     assert restart["srun_error"] == f"agent: rank 1 on {restart['node']} killed by SIGKILL", restart
-    # the agents forked the second start themselves: one srun, its ranks' logs in submitit's names
-    agent = (run_dir / "slurm" / f"{job}_1_log.err").read_text()
+    # the agents forked the second start themselves: one srun; each agent's lines in its own file
+    agent = (run_dir / "slurm" / f"{job}_agent1_log.err").read_text()
     assert "agent node 1" in agent and "rank 1 killed by SIGKILL" in agent, agent[-2000:]
     assert "restarting the node's ranks from the warm agent (start 1 of the step)" in agent, agent[-2000:]
     batch = (run_dir / "slurm" / f"{job}_0_log.err").read_text()

@@ -26,8 +26,8 @@ class TrainJob:
             from train.main import warm_imports
 
             code = run_agent(self.run_dir, lambda: self.rank(flag), warm_imports)
-            if code:
-                exit_now(code)  # srun's --kill-on-bad-exit ends the other nodes' agents
+            if code or flag.is_set:  # a failure: srun's --kill-on-bad-exit ends the other nodes' agents;
+                exit_now(code)       # a signal: the job is being requeued or ended, end at once
             return code
         return self.rank(flag)
 

@@ -12,7 +12,8 @@ a rank would have seen (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, ..., so a ran
 it saw before), the torchrun variables, its device by LOCAL_RANK, its CPUs next to its GPU
 (:mod:`train.harness.affinity`, placed in the child before it runs anything) and its
 output in ``RUN_DIR/slurm/<job>_<rank>_log.out|err`` (the names submitit gives task
-<rank>'s; the agent's own lines, prefixed ``agent``, stay in its task's file).
+<rank>'s; the agent's own lines, time-stamped, and submitit's after them go to
+``<job>_agent<node>_log.out|err`` beside them).
 
 Watching: the agent reaps its ranks every :data:`POLL_S`. A rank that exits non-zero or
 dies by a signal (SIGKILL, the OOM killer, a segfault, SIGABRT from NCCL's watchdog:
@@ -132,7 +133,25 @@ class Agent(Forwarding):
         self.forward(PASSED)
 
     def say(self, line: str) -> None:
-        print(f"agent node {self.node} ({self.host}): {line}", file=sys.stderr, flush=True)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+        print(f"{stamp} agent node {self.node} ({self.host}): {line}", file=sys.stderr, flush=True)
+
+    def own_logs(self) -> None:
+        """The agent's own output (and submitit's lines after this) to ``<job>_agent<NODE>_log.out|err``
+        beside its ranks' files: srun's file of its task is also rank <task>'s."""
+        out, err = log_paths(self.node, self.run_dir)
+        if out.name.endswith(f"_{self.node}_log.out"):
+            stem = out.name[: -len(f"_{self.node}_log.out")]
+            out, err = out.with_name(f"{stem}_agent{self.node}_log.out"), err.with_name(f"{stem}_agent{self.node}_log.err")
+        else:
+            out, err = out.with_name(f"agent{self.node}.out"), err.with_name(f"agent{self.node}.err")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for fd, path in ((1, out), (2, err)):
+            new = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(new, fd)
+            os.close(new)
 
     def run(self) -> int:
         """Fork and watch the node's ranks, start after start; their exit status (0: done)."""
@@ -225,5 +244,6 @@ def run_agent(run_dir: str, entry: Callable[[], int], warm: Callable[[str], None
     t0 = time.monotonic()
     warm(run_dir)
     agent = Agent(run_dir, entry, per_node, budget)
+    agent.own_logs()
     agent.say(f"{per_node} ranks from RANK {agent.node * per_node} (imports {time.monotonic() - t0:.1f} s)")
     return agent.run()
