@@ -10,11 +10,16 @@ under the test's directory, over every simulated rank of a job:
 
 - a restore (``Checkpointer._load_latest``'s file work for one good checkpoint of 2W+1
   files: W DCP data files, W ``extra_rank{R}.pt``, ``.metadata``): rank 0's listing of
-  the checkpoints, the survey (manifest, sizes) in ``verify`` and again in the DCP
-  backend's ``load``, each rank's checksums of its share, its readahead of the DCP files
-  it loads, its read of the manifest's shape (``saved_shape``) and of its extra state.
-  DCP's own reads inside ``dcp.load`` are not simulated (each rank reads ``.metadata`` and
-  the data it needs: O(1) files a rank);
+  the checkpoints, its survey (manifest, sizes), used by ``verify``, the DCP backend's
+  ``load`` and ``_extra`` (the saving run's shape), each rank's checksums of its share,
+  its readahead of the DCP files it loads, its read of its extra state. DCP's own reads
+  inside ``dcp.load`` are not simulated (each rank reads ``.metadata`` and the data it
+  needs: O(1) files a rank);
+- a blocking save's commit (``Checkpointer._commit_now`` on every rank, once each rank
+  wrote its files and its side file ``.crc_rank{R}.json``: O(1) calls a rank, not
+  counted): rank 0's listing of the temporary directory and read of the W side files,
+  each rank's read-back of its share of the files no rank summed (DCP's ``.metadata``),
+  rank 0's manifest, rename and ``latest``;
 - a failure's classification on every rank after a communication error, W heartbeats;
 - a hang's report (``Watchdog._hang`` on every rank: its stacks, its last beat, the
   report of the stuck ranks), W = 512 (each rank parses the report of W beats: CPU).
@@ -23,7 +28,12 @@ Measured before this change, at W = 512: 3,152,902 calls for the restore (~6,158
 rank stated every file about 6 times and read the manifest 3 times) and 262,144 (= W^2)
 for the classification (every rank read every heartbeat), 264,705 for the hang report
 (the same). Now (see the asserts): the restore about 7 W, the classification about 3 W,
-at both sizes, the hang report about 7 W, under C = 8 each.
+at both sizes, the hang report about 7 W, under C = 8 each. The restore's survey is
+since made once (rank 0 parsed the manifest three times): about 6 W.
+
+The save's commit, measured before it changed, at W = 512: 1,055,251 calls (~2,061 W:
+every rank read every side file, listed the directory and stated every file, ~4 W^2).
+Now: W + 15 (rank 0 alone reads the side files), under C_SAVE = 2 W at both sizes.
 """
 from __future__ import annotations
 
@@ -36,13 +46,15 @@ import zlib
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Dict, List
 
 import pytest
 import torch.distributed as dist
 
-from train.checkpoint import manifest
+from train.checkpoint import manager, manifest
 from train.checkpoint.backend import DCPBackend
 from train.checkpoint.dcp_reader import readahead
+from train.checkpoint.manager import Checkpointer
 from train.checkpoint.manifest import committed_steps, owners, saved_shape, share, shared_survey, survey, verify
 from train.harness import classify
 from train.harness.classify import classify_failure, judge, read_beats
@@ -50,6 +62,7 @@ from train.harness.watchdog import Watchdog
 from train.torch_compat import fake_process_group
 
 C = 8  # calls per rank per job, for each of the restore and the classification
+C_SAVE = 2  # calls per rank per save
 CALLS = [(os, "stat"), (os, "lstat"), (os, "open"), (builtins, "open"), (io, "open"), (os, "scandir"),
          (os, "listdir"), (os, "replace"), (os, "rename")]
 RANKS_PER_NODE = 8
@@ -93,24 +106,22 @@ def fake_checkpoint(root: Path, world: int) -> Path:
     return ckpt
 
 
-def restore_as(ckpt: Path, rank: int, world: int, found, loading) -> None:
-    """One rank's file work of a restore; ``found``/``loading``: rank 0's surveys, broadcast."""
+def restore_as(ckpt: Path, rank: int, world: int, found) -> None:
+    """One rank's file work of a restore; ``found``: rank 0's survey, broadcast."""
     backend = DCPBackend(rank)
     if rank == 0:  # Checkpointer._load_latest: stale saves, the committed steps
         list(ckpt.parent.glob(".tmp-step_*"))
         committed_steps(ckpt.parent)
     assert verify(ckpt, rank, world, backend.summed_on_load, found) is None
-    owned = backend.owned(loading)  # DCPBackend.load, before dcp.load
+    owned = backend.owned(found)  # DCPBackend.load, before dcp.load
     assert owned == {rel[4:]: [size, crc] for rel, size, crc in found.shares[rank] if rel.endswith(".distcp")}
     assert f"__{rank}_0.distcp" in owned  # DCP's file of writer rank R: loaded and summed by rank R
     thread = readahead([ckpt / "dcp" / name for name in owned])
     if thread is not None:
         thread.join()
-    # Checkpointer._extra: saved_shape opens the manifest (not read and parsed here W times:
-    # bytes and CPU, not calls), then state.load_extra opens this rank's file
-    for name in (manifest.MANIFEST, f"extra_rank{rank}.pt"):
-        with open(ckpt / name, "rb"):
-            pass
+    # Checkpointer._extra: the saving run's shape is the survey's; state.load_extra opens this rank's file
+    with open(ckpt / f"extra_rank{rank}.pt", "rb"):
+        pass
 
 
 def heartbeats(run_dir: Path, world: int, now: float) -> None:
@@ -137,9 +148,8 @@ def test_a_restore_and_a_failure_cost_each_rank_a_few_calls(tmp_path, world, no_
             found = shared_survey(ckpt, 0, world)  # rank 0's look, through the broadcast
         finally:
             dist.destroy_process_group()
-        loading = survey(ckpt, world, sizes=False)  # DCPBackend.load's, on rank 0
         for rank in range(world):
-            restore_as(ckpt, rank, world, found, loading)
+            restore_as(ckpt, rank, world, found)
     restore = sum(calls.values())
     assert len(found.shares) == world and sum(map(len, found.shares)) == 2 * world + 1
     assert saved_shape(ckpt) == found.shape == {"world_size": world}
@@ -154,6 +164,75 @@ def test_a_restore_and_a_failure_cost_each_rank_a_few_calls(tmp_path, world, no_
     print(f"W={world}: restore {restore} calls ({restore / world:.2f} W), "
           f"classification {classified} ({classified / world:.2f} W)")
     assert restore <= C * world and classified <= C * world
+
+
+def fake_save(root: Path, world: int, unsummed: int = 1) -> Dict[str, List[int]]:
+    """A blocking save's temporary directory once every rank wrote: its DCP data file and
+    ``extra_rank{R}.pt``, their entries in its side file; ``unsummed`` files summed by no
+    rank (DCP's ``.metadata``, then DeepSpeed-like files of several sizes). Every file's
+    real entry, by path."""
+    tmp = root / "checkpoints" / ".tmp-step_00000004"
+    (tmp / "dcp").mkdir(parents=True)
+    files = {}
+    for r in range(world):
+        mine = {}
+        for rel, data in ((f"dcp/__{r}_0.distcp", b"d" * (8 + r % 5)), (f"extra_rank{r}.pt", b"x%d" % r)):
+            (tmp / rel).write_bytes(data)
+            mine[rel] = [len(data), zlib.crc32(data)]
+        (tmp / f"{manifest.SUMS}{r}.json").write_text(json.dumps(mine))
+        files.update(mine)
+    for i, rel in enumerate(["dcp/.metadata"] + [f"deepspeed/f{i}.pt" for i in range(1, unsummed)]):
+        (tmp / rel).parent.mkdir(exist_ok=True)
+        (tmp / rel).write_bytes(b"meta" * (9 + i))
+        files[rel] = [4 * (9 + i), zlib.crc32(b"meta" * (9 + i))]
+    return files
+
+
+def commit_all(root: Path, world: int, monkeypatch) -> None:
+    """Every rank's ``Checkpointer._commit_now`` (rank 0 last: it publishes after the
+    others' barrier), rank 0's plan handed to the others as its broadcast would."""
+    tmp = root / "checkpoints" / ".tmp-step_00000004"
+    fake_process_group(0, world)
+    try:
+        plan = manifest.shared_save_plan(tmp, 0, world)  # rank 0's look, through the broadcast
+        monkeypatch.setattr(manager, "shared_save_plan", lambda t, rank, w: plan if rank == 0 else ({}, plan[1]))
+        for rank in [*range(1, world), 0]:
+            Checkpointer(tmp.parent, rank, shape={"world_size": world})._commit_now(tmp, tmp.parent / "step_00000004", 4)
+    finally:
+        dist.destroy_process_group()
+
+
+def committed(root: Path) -> dict:
+    ckpt = root / "checkpoints" / "step_00000004"
+    assert (root / "checkpoints" / manifest.LATEST).read_text() == "step_00000004\n"
+    assert not list(ckpt.glob(manifest.SUMS + "*")) and not (root / "checkpoints" / ".tmp-step_00000004").exists()
+    return json.loads((ckpt / manifest.MANIFEST).read_text())
+
+
+@pytest.mark.parametrize("world", [512, 4096])
+def test_a_save_commit_costs_each_rank_a_few_calls(tmp_path, world, monkeypatch):
+    files = fake_save(tmp_path, world)
+    with counting(tmp_path) as calls:
+        commit_all(tmp_path, world, monkeypatch)
+    content = committed(tmp_path)
+    assert content["files"] == files and content["step"] == 4 and content["shape"] == {"world_size": world}
+    print(f"W={world}: save commit {sum(calls.values())} calls ({sum(calls.values()) / world:.2f} W) {dict(calls)}")
+    assert sum(calls.values()) <= C_SAVE * world
+
+
+def test_files_no_rank_summed_are_read_back_by_the_ranks_given_them(tmp_path, monkeypatch):
+    """Shared out by rank 0's plan: each rank reads back its share and leaves its entries
+    for rank 0, which alone reads them and the side files; the manifest as before."""
+    world = 4
+    files = fake_save(tmp_path, world, unsummed=7)
+    tmp = tmp_path / "checkpoints" / ".tmp-step_00000004"
+    unsummed = {"dcp/.metadata", *(f"deepspeed/f{i}.pt" for i in range(1, 7))}
+    written, shares = manifest.save_plan(tmp, world)
+    assert written == {rel: entry for rel, entry in files.items() if rel not in unsummed}
+    assert sorted(rel for mine in shares.values() for rel in mine) == sorted(unsummed)
+    assert sorted(shares) == list(range(world))  # every rank was given some
+    commit_all(tmp_path, world, monkeypatch)
+    assert committed(tmp_path)["files"] == files
 
 
 def old_share(sizes, rank, world):

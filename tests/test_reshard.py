@@ -321,7 +321,7 @@ def test_the_conversion_job_is_one_cpu_task_on_the_runs_partition():
     from spec.cluster import heartbeat_interval
 
     grace = submitit_adapter.restart_grace_s(heartbeat_interval(cfg.cluster.hang_timeout_s))
-    loop = submitit_adapter.step_loop(cfg.cluster.in_job_restarts, grace_s=grace)
+    loop = submitit_adapter.step_loop(cfg.cluster.in_job_restarts, grace_s=grace, agent=cfg.cluster.gpus_per_node)
     assert loop and job["setup"] == conv["setup"] + loop
     assert conv["partition"] == job["partition"] and conv["time"] == job["time"]
     assert conv["job_name"] == job["job_name"] + "-convert"

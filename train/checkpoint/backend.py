@@ -18,7 +18,8 @@ saved it. Each backend saves engines of one capability of the engine protocol
 - ``summed_on_load``: which files are checksummed as the load reads them, not before;
 - ``plan_load``: before the engine is built, whether it must be built to load another
   format than its own (DeepSpeed's universal one);
-- ``load``: the checkpoint into the engine, or the reason it was rejected;
+- ``load``: the checkpoint into the engine, or the reason it was rejected, given rank 0's
+  survey of it (:class:`.manifest.Survey`: no other rank reads its manifest);
 - ``loads_in_place``: whether a rejected load may have left part of it in the engine.
 """
 from __future__ import annotations
@@ -28,13 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Protocol
 
-import torch.distributed as dist
-
 from train.checkpoint.async_save import AsyncSaver
 from train.checkpoint.dcp_reader import readahead, verifying_reader
 from train.checkpoint.dcp_writer import SUBDIR, summing_writer
 from train.checkpoint.deepspeed_io import DeepSpeedBackend
-from train.checkpoint.manifest import DCP_FILE, CorruptCheckpoint, Sums, Survey, shared_survey
+from train.checkpoint.manifest import DCP_FILE, CorruptCheckpoint, Sums, Survey
 from train.checkpoint.state import AppState
 
 if TYPE_CHECKING:
@@ -60,9 +59,10 @@ class Backend(Protocol):
         """Before the engine is built: whether it must be built to load another format than
         its own, the newest checkpoint's shape being ``saved``."""
 
-    def load(self, engine, ckpt: Path) -> Optional[str]:
+    def load(self, engine, ckpt: Path, found: Survey) -> Optional[str]:
         """``ckpt`` (verified, but for the files summed on load) into ``engine``; the reason
-        it was rejected, or None. Collective."""
+        it was rejected, or None. ``found``: rank 0's survey of it, broadcast (each rank's
+        share of the files, the saving run's shape). Collective."""
 
 
 @dataclass
@@ -93,13 +93,10 @@ class DCPBackend:
     def plan_load(self, saved: Optional[Mapping[str, Any]]) -> bool:
         return False  # DCP reshards by itself
 
-    def load(self, engine: DCPEngine, ckpt: Path) -> Optional[str]:
+    def load(self, engine: DCPEngine, ckpt: Path, found: Survey) -> Optional[str]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        found = shared_survey(ckpt, self.rank, dist.get_world_size(), sizes=False)  # rank 0's, broadcast
-        if found.reason is not None:  # verified just before: only a directory changed since
-            return found.reason
         owned = self.owned(found)
         readahead([ckpt / SUBDIR / name for name in owned])  # the disk works while DCP plans the load
         try:

@@ -9,7 +9,7 @@ by one that ``torch.save``-s into a stream summing the bytes as they are written
 and size, the manifest's entry) and fsyncs the file; DeepSpeed's recovery scripts, which
 rank 0 copies beside the tag, are summed from the package's own copy. Each rank leaves
 its entries in its side file, so the commit reads nothing back (a file summed by no one
-would still be read back there: :func:`train.checkpoint.manifest.unsummed`). DeepSpeed
+would still be read back there: :func:`train.checkpoint.manifest.save_plan`). DeepSpeed
 reads its files itself, so they are verified in full before a load
 (:func:`train.checkpoint.manifest.verify`).
 
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from spec.rundir import needs_universal
 from train.checkpoint.dcp_writer import SummingStream
-from train.checkpoint.manifest import Sums, crc32, fsync_path, saved_shape
+from train.checkpoint.manifest import Sums, Survey, crc32, fsync_path
 
 if TYPE_CHECKING:
     from train.strategies.base import NativeEngine
@@ -81,10 +81,11 @@ class DeepSpeedBackend:
         self.universal = needs_universal(saved, self.shape)
         return self.universal
 
-    def load(self, engine: NativeEngine, ckpt: Path) -> Optional[str]:
+    def load(self, engine: NativeEngine, ckpt: Path, found: Survey) -> Optional[str]:
         """DeepSpeed's files of ``ckpt``, converted to the universal format first when it
-        was saved at another shape (rank 0 converts; collective)."""
-        universal = needs_universal(saved_shape(ckpt), self.shape)
+        was saved at another shape (``found.shape``: rank 0's survey's; rank 0 converts;
+        collective)."""
+        universal = needs_universal(found.shape, self.shape)
         if universal != self.universal:  # the engine was built for the newest checkpoint's shape
             return (f"saved at another shape than the newest checkpoint (universal load: {universal}); "
                     f"resume once more to load it")

@@ -13,8 +13,9 @@ Layout under ``RUN_DIR/checkpoints``::
 
 Commit protocol: every rank writes into the temporary directory (fsynced), computing
 the CRC32 of its files from the bytes as it writes them, and leaves them beside its
-files (``.crc_rank{R}.json``); barrier; files no rank summed as it wrote (DeepSpeed's,
-DCP's ``.metadata``) are read back and summed, shared out among the ranks; rank 0 writes
+files (``.crc_rank{R}.json``); barrier; rank 0 lists the directory and reads the side
+files, once; files no rank summed as it wrote (DCP's ``.metadata``, a DeepSpeed file not
+summed) are read back and summed, shared out among the ranks by rank 0; rank 0 writes
 ``COMMITTED`` with every file's size and CRC, renames the directory to its final name,
 fsyncs the parent, then replaces ``latest`` (:mod:`.manifest`). A kill at any point
 leaves either the previous checkpoint as newest or the new one complete. Loading picks
@@ -51,7 +52,8 @@ from train.checkpoint.async_save import AsyncSaver
 from train.checkpoint.backend import backend_for
 from train.checkpoint.deepspeed_io import universal_dir
 from train.checkpoint.manifest import (
-    SUMS, Sums, checksums, committed_steps, publish, saved_shape, share, step_name, unsummed, verify, written_sums,
+    SUMS, committed_steps, publish, read_back, read_backs, saved_shape, shared_save_plan, shared_survey, step_name,
+    verify,
 )
 from train.checkpoint.policy import SavePolicy
 from train.checkpoint.state import load_extra, write_extra
@@ -169,16 +171,16 @@ class Checkpointer:
         return final
 
     def _commit_now(self, tmp: Path, final: Path, step: int) -> None:
-        """The files no rank summed as it wrote, read back (and fsynced), shared out among
-        the ranks; rank 0 publishes (collective)."""
-        written = written_sums(tmp)
-        world = dist.get_world_size()
-        parts: List[Sums] = [{} for _ in range(world)]
-        dist.all_gather_object(parts, checksums(tmp, share(unsummed(tmp, written), self.rank, world), fsync=True))
+        """Rank 0 lists ``tmp`` and reads the ranks' side files, once, and tells each rank
+        its share of the files no rank summed as it wrote (:func:`.manifest.save_plan`);
+        each reads back its share; rank 0 publishes (collective). No other rank lists the
+        directory or reads another's file: a save's file work is linear in the ranks."""
+        written, shares = shared_save_plan(tmp, self.rank, dist.get_world_size())
+        back = read_back(tmp, self.rank, shares)
+        if any(rank != 0 for rank in shares):  # (the same on every rank) another rank's entries, in its file
+            self._barrier(step)
         if self.rank == 0:
-            for part in parts:
-                written.update(part)
-            publish(tmp, final, step, written, shape=self.shape)
+            publish(tmp, final, step, {**written, **back, **read_backs(tmp, shares)}, shape=self.shape)
         self._barrier(step)
 
     def prepare_async(self) -> None:
@@ -247,8 +249,9 @@ class Checkpointer:
             shutil.rmtree(universal_dir(old), ignore_errors=True)  # DeepSpeed's conversion, if any
 
     def load_latest(self, engine, report: Callable[[str], None]) -> Optional[Dict[str, Any]]:
-        """Restore the newest good checkpoint; None if none. Every rank checks each
-        candidate's manifest and file sizes and checksums its share of the files (newest
+        """Restore the newest good checkpoint; None if none. Rank 0 checks each
+        candidate's manifest and file sizes and tells the others (a survey, broadcast: no
+        other rank reads the manifest), every rank checksums its share of the files (newest
         first); the first that all pass is loaded.
 
         DCP's data files are checksummed as they are read, in the same pass over the disk
@@ -268,14 +271,16 @@ class Checkpointer:
         names = [[p.name for p in committed_steps(self.root)] if self.rank == 0 else None]
         dist.broadcast_object_list(names, src=0)
         for name in names[0]:
+            ckpt = self.root / name
+            found = shared_survey(ckpt, self.rank, world)  # rank 0's look, broadcast: the manifest parsed once
             reasons: List[Optional[str]] = [None] * world
-            dist.all_gather_object(reasons, verify(self.root / name, self.rank, world, self.backend.summed_on_load))
+            dist.all_gather_object(reasons, verify(ckpt, self.rank, world, self.backend.summed_on_load, found))
             reason = next((r for r in reasons if r is not None), None)
             if reason is None:
-                reason = self.backend.load(engine, self.root / name)
+                reason = self.backend.load(engine, ckpt, found)
                 self.engine_dirty |= reason is not None and self.backend.loads_in_place
             if reason is None:
-                return self._extra(self.root / name)
+                return self._extra(ckpt, found.shape)
             if self.rank == 0:
                 report(f"checkpoint {name} ignored: {reason}")
         return None
@@ -291,16 +296,19 @@ class Checkpointer:
         return saved_shape(ckpt)
 
     def plan_load(self) -> bool:
-        """Before the engine is built (not collective: every rank reads the same manifest):
-        whether it must load DeepSpeed's universal format, i.e. the newest checkpoint is a
-        ZeRO one saved at another data-parallel size or stage (then the engine is built with
-        ``checkpoint.load_universal``). DCP's backend: never."""
-        return self.backend.plan_load(self.saved_shape())
+        """Before the engine is built (collective: rank 0 reads the newest manifest's shape
+        and broadcasts it): whether it must load DeepSpeed's universal format, i.e. the
+        newest checkpoint is a ZeRO one saved at another data-parallel size or stage (then
+        the engine is built with ``checkpoint.load_universal``). DCP's backend: never."""
+        saved = [self.saved_shape() if self.rank == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(saved, src=0)
+        return self.backend.plan_load(saved[0])
 
-    def _extra(self, ckpt: Path) -> Dict[str, Any]:
+    def _extra(self, ckpt: Path, saved: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         """This rank's step, loader position and RNG states; every rank takes rank 0's when
-        the checkpoint was saved on another layout (``reshaped_from``: its shape)."""
-        saved = self.saved_shape(ckpt)
+        the checkpoint was saved on another layout (``saved``: its shape, from rank 0's
+        survey; ``reshaped_from``)."""
         keys = ("world_size", "dp", "tp", "pp")
         moved = saved is not None and any(saved.get(k) != self.shape.get(k) for k in keys)
         extra = load_extra(ckpt, self.rank, same_layout=not moved)

@@ -2,7 +2,9 @@
 
 A step directory is published by :func:`publish`: the manifest (``COMMITTED``) is
 written and fsynced, the temporary directory renamed to its final name, then the
-``latest`` pointer replaced. :func:`verify` checks a directory against its manifest; with
+``latest`` pointer replaced. At a save rank 0 alone lists the temporary directory and
+reads the ranks' side files (:func:`save_plan`), and tells each rank its share of the
+files to read back. :func:`verify` checks a directory against its manifest; with
 several ranks, rank 0 alone reads the manifest and looks at every file's size
 (:func:`survey`) and broadcasts each rank's share of the files (:func:`owners`), which
 that rank reads back and sums: a job's file work is linear in its ranks.
@@ -28,10 +30,12 @@ except ImportError:  # a dependency, but zlib computes the same checksum
 MANIFEST = "COMMITTED"
 LATEST = "latest"
 SUMS = ".crc_rank"  # + "{rank}.json": CRCs of the files a rank wrote, merged into the manifest
+BACK = ".back.json"  # SUMS + "{rank}" + BACK: CRCs of the files a rank read back at the commit
 DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # DCP's file of writer rank R: __R_N.distcp
 
 Sums = Dict[str, List[int]]  # path relative to the step directory -> [size, CRC32]
 Share = List[Tuple[str, int, int]]  # one rank's files to sum: (relative path, size, CRC32), in order
+Shares = Dict[int, List[str]]  # a save's files no rank summed as it wrote: rank -> its to read back
 
 
 class CorruptCheckpoint(Exception):
@@ -98,21 +102,73 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _files(root: Path) -> List[Path]:
-    return sorted(p for p in root.rglob("*")
-                  if p.is_file() and p.name != MANIFEST and not p.name.startswith(SUMS))
+def _walk(root: Path) -> List[Path]:
+    """Every regular file under ``root``: one ``os.scandir`` a directory, no stat a file
+    (its type is the listing's; symbolic links to directories not followed, as ``rglob``)."""
+    files: List[Path] = []
+    below: List[Path] = []
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                below.append(Path(entry.path))
+            elif entry.is_file():
+                files.append(Path(entry.path))
+    for folder in below:
+        files.extend(_walk(folder))
+    return files
 
 
-def unsummed(root: Path, sums: Sums) -> List[Path]:
-    """The files under ``root`` that ``sums`` has no entry for (they are read back)."""
-    return [p for p in _files(root) if str(p.relative_to(root)) not in sums]
+def save_plan(tmp: Path, world: int) -> Tuple[Sums, Shares]:
+    """Rank 0's look at a save's temporary directory once every rank wrote into it: the
+    entries the ranks computed as they wrote (their side files ``.crc_rank{R}.json``,
+    merged), and the files no rank summed shared out among ``world`` ranks to be read back
+    (:func:`owners`; by rank, only the ranks given some). One listing of the directory, one
+    read a side file, one stat a file to read back: linear in the ranks."""
+    sides, rest = [], []
+    for path in _walk(tmp):
+        if path.name.startswith(SUMS):
+            if path.parent == tmp and path.name.endswith(".json"):
+                sides.append(path)
+        elif path.name != MANIFEST:
+            rest.append(str(path.relative_to(tmp)))
+    written: Sums = {}
+    for side in sorted(sides):
+        written.update(json.loads(side.read_text()))
+    shares: Shares = {}
+    for rel, rank in owners({rel: os.stat(tmp / rel).st_size for rel in rest if rel not in written}, world).items():
+        shares.setdefault(rank, []).append(rel)
+    return written, shares
 
 
-def written_sums(root: Path) -> Sums:
-    """The CRCs the ranks computed as they wrote (their ``.crc_rank*.json``), merged."""
+def shared_save_plan(tmp: Path, rank: int, world: int) -> Tuple[Sums, Shares]:
+    """:func:`save_plan` made by rank 0, its shares broadcast (collective when ``world`` > 1);
+    the entries stay on rank 0, which writes the manifest (the others get none)."""
+    if world == 1:
+        return save_plan(tmp, 1)
+    import torch.distributed as dist
+
+    written, shares = save_plan(tmp, world) if rank == 0 else ({}, None)
+    box = [shares]
+    dist.broadcast_object_list(box, src=0)
+    return written, box[0]
+
+
+def read_back(tmp: Path, rank: int, shares: Shares) -> Sums:
+    """This rank's share of the files no rank summed as it wrote: read back, fsynced and
+    summed. A rank other than 0 leaves its entries beside them (``.crc_rank{R}.back.json``)
+    for rank 0 (:func:`read_backs`)."""
+    sums = checksums(tmp, [tmp / rel for rel in shares.get(rank, [])], fsync=True)
+    if rank != 0 and rank in shares:
+        (tmp / f"{SUMS}{rank}{BACK}").write_text(json.dumps(sums))
+    return sums
+
+
+def read_backs(tmp: Path, shares: Shares) -> Sums:
+    """Rank 0, once the others read back their shares: the entries they left (one file
+    each rank given a share)."""
     sums: Sums = {}
-    for side in sorted(root.glob(SUMS + "*.json")):
-        sums.update(json.loads(side.read_text()))
+    for rank in sorted(r for r in shares if r != 0):
+        sums.update(json.loads((tmp / f"{SUMS}{rank}{BACK}").read_text()))
     return sums
 
 
@@ -226,15 +282,17 @@ def find_latest(root: Path, report: Callable[[str], None]) -> Optional[Path]:
 
 def publish(tmp: Path, final: Path, step: int, sums: Optional[Sums] = None,
             shape: Optional[Dict[str, Any]] = None) -> None:
-    """Commit ``tmp`` as ``final``: the manifest (the CRCs the ranks computed, the files
-    they did not read back and fsynced here; ``shape``: the run's that saved it), its
-    rename, then the ``latest`` pointer."""
-    files = dict(sums) if sums is not None else written_sums(tmp)
-    files.update(checksums(tmp, unsummed(tmp, files), fsync=True))
-    for side in tmp.glob(SUMS + "*.json"):
+    """Commit ``tmp`` as ``final``: the manifest (``sums``: every file's entry, from
+    :func:`save_plan` and the read-back; None: this rank makes the plan and reads back
+    every file no rank summed; ``shape``: the run's that saved it), its rename, then the
+    ``latest`` pointer."""
+    if sums is None:
+        written, shares = save_plan(tmp, 1)
+        sums = {**written, **read_back(tmp, 0, shares)}
+    for side in tmp.glob(SUMS + "*.json"):  # one listing
         side.unlink()
     manifest = tmp / MANIFEST
-    content: Dict[str, Any] = {"step": step, "time": time.time(), "files": dict(sorted(files.items()))}
+    content: Dict[str, Any] = {"step": step, "time": time.time(), "files": dict(sorted(sums.items()))}
     if shape:
         content["shape"] = shape
     manifest.write_text(json.dumps(content, indent=1))
