@@ -44,7 +44,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -52,7 +52,7 @@ from train.checkpoint.async_save import AsyncSaver
 from train.checkpoint.backend import backend_for
 from train.checkpoint.deepspeed_io import universal_dir
 from train.checkpoint.manifest import (
-    SUMS, committed_steps, publish, read_back, read_backs, saved_shape, shared_save_plan, shared_survey, step_name,
+    SUMS, agreed_reason, committed_steps, publish, read_back, read_backs, saved_shape, shared_save_plan, shared_survey, step_name,
     verify,
 )
 from train.checkpoint.policy import SavePolicy
@@ -273,9 +273,8 @@ class Checkpointer:
         for name in names[0]:
             ckpt = self.root / name
             found = shared_survey(ckpt, self.rank, world)  # rank 0's look, broadcast: the manifest parsed once
-            reasons: List[Optional[str]] = [None] * world
-            dist.all_gather_object(reasons, verify(ckpt, self.rank, world, self.backend.summed_on_load, found))
-            reason = next((r for r in reasons if r is not None), None)
+            reason = agreed_reason(verify(ckpt, self.rank, world, self.backend.summed_on_load, found), self.rank,
+                                   world)  # the lowest rank's, as every rank's own check of its files says
             if reason is None:
                 reason = self.backend.load(engine, ckpt, found)
                 self.engine_dirty |= reason is not None and self.backend.loads_in_place

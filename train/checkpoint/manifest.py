@@ -306,3 +306,24 @@ def publish(tmp: Path, final: Path, step: int, sums: Optional[Sums] = None,
     pointer.write_text(final.name + "\n")
     os.replace(pointer, root / LATEST)
     fsync_path(root)
+
+
+def agreed_reason(mine: Optional[str], rank: int, world: int) -> Optional[str]:
+    """The reason of the lowest rank that found one (None: no rank did), on every rank
+    (collective when ``world`` > 1): one all-reduce of one number (the lowest failing
+    rank, ``world`` for none) and, only when one failed, its reason broadcast from it;
+    no list of W objects."""
+    if world == 1:
+        return mine
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    first = torch.tensor([rank if mine is not None else world], dtype=torch.int64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    src = int(first.item())
+    if src == world:
+        return None
+    box = [mine]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
