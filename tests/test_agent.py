@@ -95,3 +95,13 @@ def test_a_stale_restart_is_removed_by_the_next_start_only(tmp_path):
     assert restart_of(str(tmp_path))["srun"] == 1
     note_start(tmp_path, identity(2))  # an earlier start's: gone
     assert not (tmp_path / RESTART).exists() and not list(tmp_path.glob(f".{RESTART}*"))
+
+
+def test_a_ranks_output_goes_to_submitits_file_for_its_rank(tmp_path):
+    """Beside the agent's task's file (an array element's too: %A_%a_%t), else RUN_DIR/logs."""
+    from train.harness.agent import log_paths
+
+    mine = tmp_path / "191_0_1_log.out"
+    mine.touch()
+    assert log_paths(5, str(tmp_path), mine, "1") == (tmp_path / "191_0_5_log.out", tmp_path / "191_0_5_log.err")
+    assert log_paths(5, str(tmp_path), None, "1") == (tmp_path / "logs" / "rank5.out", tmp_path / "logs" / "rank5.err")

@@ -3,7 +3,8 @@
 
 The local cluster runs task/none, so no task is bound to its CPUs here (tests/test_sbatch.py
 checks the rendered options); this shows that the srun line with --cpus-per-task starts
-the step on 2 nodes and what each task is told."""
+the step on 2 nodes, one node agent each with the node's CPUs, and what each rank it forks
+is told: what one srun task a rank would be (its share of the CPUs, the step's ranks)."""
 from __future__ import annotations
 
 import json
@@ -30,7 +31,7 @@ with open(os.path.join(os.environ["STO_RUN_DIR"], "resources_rank%s.json" % os.e
 def test_cpus_per_task_on_srun_and_the_whole_node_memory(tmp_path, slurm_cluster):
     script = tmp_path / "resources.py"
     script.write_text(SCRIPT)
-    # localslurm: cpus_per_node 4 (slurm.conf's CPUs=4) shared by 2 tasks per node: 2 each.
+    # localslurm: cpus_per_node 4 (slurm.conf's CPUs=4) shared by 2 ranks per node: 2 each, 4 the agent.
     proc = launcher(["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=2", "cluster.cpus_per_task=0",
                      "cluster.mem_gb=0", f"entrypoint={script}", "launcher.wait=true"],
                     cwd=tmp_path, env=slurm_cluster, timeout=300)
@@ -38,7 +39,8 @@ def test_cpus_per_task_on_srun_and_the_whole_node_memory(tmp_path, slurm_cluster
     run_dir = run_dir_of(proc.stdout)
     batch = (run_dir / "sbatch.sh").read_text()
     srun = next(line for line in batch.splitlines() if line.startswith("srun "))
-    assert "#SBATCH --cpus-per-task=2" in batch and " --cpus-per-task=2 " in srun and "#SBATCH --mem=0" in batch
+    assert "#SBATCH --cpus-per-task=4" in batch and " --cpus-per-task=4 " in srun and "#SBATCH --mem=0" in batch
+    assert "#SBATCH --ntasks-per-node=1" in batch and "export STO_AGENT=2" in batch
     assert "--wckey" not in batch
     info = read_run_json(run_dir)
     assert info["status"] == "completed" and info["world_size"] == 4, info
@@ -58,6 +60,6 @@ def test_cpus_per_task_on_srun_and_the_whole_node_memory(tmp_path, slurm_cluster
         return (rows, *found) if None not in found and re.fullmatch(r"\d+[KMGT]", found[0][2]) else None
     rows, job, step = wait_until(accounted, 60, "sacct's final record of the job")
     # --mem=0: all of each node's memory (the job's, over 2 nodes; the local cluster does not make
-    # memory consumable, CR_CPU, so tasks get no SLURM_MEM_PER_NODE); the step: 4 tasks x 2 CPUs.
+    # memory consumable, CR_CPU, so tasks get no SLURM_MEM_PER_NODE); the step: 2 agents x 4 CPUs.
     assert job[2] == f"{2 * int(node_mb)}M", rows
-    assert step[1] == "COMPLETED" and step[3] == "4" and "cpu=8," in step[4], rows
+    assert step[1] == "COMPLETED" and step[3] == "2" and "cpu=8," in step[4], rows

@@ -88,14 +88,18 @@ def rank_env(env: Mapping[str, str], local_rank: int, per_node: int, start: Opti
     return {**out, **task_identity({**env, **out}).torchrun_vars()}
 
 
-def log_paths(rank: int, run_dir: str) -> Tuple[Path, Path]:
-    """Where rank ``rank``'s stdout and stderr go: submitit's file names for task ``rank``
-    beside the agent's own (``<job>_<task>_log.out``), else RUN_DIR/logs/rank<R>.out|err."""
+def task_output() -> Optional[Path]:
+    """The file this process's stdout goes to (srun's ``--output`` of its task), if one."""
     try:
-        mine = Path(os.readlink("/proc/self/fd/1"))
+        return Path(os.readlink("/proc/self/fd/1"))
     except OSError:
-        mine = None
-    task = os.environ.get("SLURM_PROCID", "0")
+        return None
+
+
+def log_paths(rank: int, run_dir: str, mine: Optional[Path], task: str) -> Tuple[Path, Path]:
+    """Where rank ``rank``'s stdout and stderr go: submitit's file names for task ``rank``
+    beside the agent's task's (``mine``: ``<job>_<task>_log.out``), else
+    RUN_DIR/logs/rank<R>.out|err."""
     suffix = f"_{task}_log.out"
     if mine is not None and mine.name.endswith(suffix) and mine.parent.is_dir():
         stem = mine.name[: -len(suffix)]
@@ -127,6 +131,7 @@ class Agent(Forwarding):
         self.run_dir, self.entry, self.per_node, self.budget = run_dir, entry, per_node, budget
         self.children: Dict[int, int] = {}  # pid -> rank
         self.node = int(os.environ["SLURM_NODEID"])
+        self.task, self.task_out = os.environ.get("SLURM_PROCID", "0"), task_output()  # before own_logs()
         nodes = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
         self.look_s = max(RESTART_POLL_S, nodes / STATS_PER_S)
         self.host = socket.gethostname()
@@ -139,7 +144,7 @@ class Agent(Forwarding):
     def own_logs(self) -> None:
         """The agent's own output (and submitit's lines after this) to ``<job>_agent<NODE>_log.out|err``
         beside its ranks' files: srun's file of its task is also rank <task>'s."""
-        out, err = log_paths(self.node, self.run_dir)
+        out, err = log_paths(self.node, self.run_dir, self.task_out, self.task)
         if out.name.endswith(f"_{self.node}_log.out"):
             stem = out.name[: -len(f"_{self.node}_log.out")]
             out, err = out.with_name(f"{stem}_agent{self.node}_log.out"), err.with_name(f"{stem}_agent{self.node}_log.err")
@@ -171,7 +176,8 @@ class Agent(Forwarding):
             env = rank_env(os.environ, local, self.per_node, start)
             pid = os.fork()
             if pid == 0:
-                run_child(env, self.run_dir, self.entry, self.owner, log_paths(int(env["RANK"]), self.run_dir),
+                run_child(env, self.run_dir, self.entry, self.owner,
+                          log_paths(int(env["RANK"]), self.run_dir, self.task_out, self.task),
                           self.per_node - 1)
             self.children[pid] = int(env["RANK"])
 
