@@ -57,10 +57,13 @@
 # `wait -n` (bash >= 4.3) wakes at the step's end or after a second, whichever is first.
 #
 # With node agents (STO_AGENT set) the agents restart the step's ranks themselves, inside
-# the same srun, while a restart drops no node: RESTART then belongs to a later start than
-# the srun's (its JSON's "srun", which the next srun follows: STO_IN_JOB_RESTART = that + 1),
-# and each agent bounds its own ranks' end after a restart (SIGKILL), so the loop's own
-# grace is not used; a RESTART that differs from the one seen before counts anew.
+# the same srun, while a restart drops no node: each agent that begins start K marks it
+# (RUN_DIR/.RESTART.startK), and RESTART stays until the srun ends (every agent must read
+# it; its JSON's "srun" says which start asked). Once srun ends, the loop takes the last
+# start begun as this srun's, and a RESTART of an earlier start as done with (removed: the
+# last start's failure, if any, is then recorded by after-srun). Each agent bounds its own
+# ranks' end after a restart (SIGKILL), so the loop's own grace is not used; a RESTART that
+# differs from the one seen before counts anew.
 #
 # With hot spares (cluster.spare_nodes=K > 0: sbatch --nodes=N+K --no-kill; STO_SPARES=0 is
 # the loop without them): every srun asks for the N training nodes (--nodes, --ntasks: srun
@@ -96,6 +99,15 @@ sto_restart_start() {  # $1: RUN_DIR; which start of the step wrote RESTART (its
   local start
   start=$(sed -n '1s/.*"srun": *\([0-9][0-9]*\).*/\1/p' "$1/$STO_RESTART" 2>/dev/null)
   echo "${start:-$2}"
+}
+sto_started() {  # $1: RUN_DIR; the last start node agents began in this srun (.RESTART.startK), else $2
+  local f k last=$2
+  for f in "$1/.$STO_RESTART".start*; do
+    [ -e "$f" ] || continue
+    k=${f##*.start}
+    [ "$k" -gt "$last" ] 2>/dev/null && last=$k
+  done
+  echo "$last"
 }
 sto_kill_srun() {  # the step's srun, $! (a subshell: srun is its child); /proc first, pkill if need be
   local kids; kids=$(cat /proc/"$1"/task/*/children 2>/dev/null) || kids=$(pgrep -P "$1" 2>/dev/null)
@@ -138,7 +150,7 @@ srun() {
   { SLURM_TIME_FORMAT=%s sto_slurm scontrol show job -o "$SLURM_JOB_ID"
     sto_slurm sinfo -h -N -p "$SLURM_JOB_PARTITION" -o '%N|%t|%f'; } 2>/dev/null > "$dir/$STO_FACTS"
   while :; do
-    rm -f "$dir/$STO_RESTART" "$dir/$STO_REQUEST"
+    rm -f "$dir/$STO_RESTART" "$dir/$STO_REQUEST" "$dir/.$STO_RESTART".start*
     if [ "$STO_SPARES" -gt 0 ]; then  # the training nodes of the job's, without those dropped
       spare=(--nodes="$STO_STEP_NODES" --ntasks="$STO_STEP_NTASKS" --overlap ${sto_drop:+"--exclude=$sto_drop"})
     fi
@@ -168,8 +180,9 @@ srun() {
     wait "$pid"
     code=$?
     sto_request "$dir" && exit 0
+    i=$(sto_started "$dir" "$i")  # this srun's start, or the last its agents began
+    [ "$(sto_restart_start "$dir" "$i")" -lt "$i" ] && rm -f "$dir/$STO_RESTART"  # an earlier start's: done with
     [ "$code" -ne 0 ] && [ ! -e "$dir/$STO_RESTART" ] && sto_after_srun "$dir" "$code" "$i" "$from"
-    i=$(sto_restart_start "$dir" "$i")  # this srun's start, or a later one its agents restarted
     [ "$code" -ne 0 ] && [ -e "$dir/$STO_RESTART" ] && [ "$i" -lt "$STO_RESTARTS" ] || return "$code"
     i=$((i + 1))
     if [ "$STO_SPARES" -gt 0 ]; then

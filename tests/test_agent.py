@@ -77,24 +77,47 @@ def test_a_killed_rank_is_recorded_at_once_and_restarted_from_the_warm_agent(tmp
     assert (entry["rank"], entry["signal"], entry["detected_by"], entry["srun"], entry["step"]) == (
         3, "SIGKILL", "agent", 0, 4), entry
     assert entry["failed_at"] - float((tmp_path / "killed").read_text()) < 10
-    assert restart_of(str(tmp_path))["srun"] == 0  # the next start's rank 0 removes it (note_start)
+    assert restart_of(str(tmp_path))["srun"] == 0  # kept until srun ends: every agent reads it
+    assert (tmp_path / f".{RESTART}.start1").exists()  # the start the agents began, for the step loop
     assert {p.name: p.read_text() for p in tmp_path.glob("start1_rank*")} == {"start1_rank2": "2", "start1_rank3": "3"}
     assert (tmp_path / "logs" / "rank3.out").exists()  # a rank's output: its own file
 
 
-def test_a_stale_restart_is_removed_by_the_next_start_only(tmp_path):
-    from spec.identity import TaskIdentity
-    from train.harness.restart import note_start
+# A stand-in for srun under node agents: its agents restarted the ranks once inside it (start
+# 1 marked, RESTART of start 0 left), then start 1 failed without a restart (refused): the
+# loop must not take the old RESTART for a new request. With AGAIN set, start 1 asked one.
+AGENTS_SRUN = """#!/bin/bash
+echo "${STO_IN_JOB_RESTART:-unset} $*" >> "$CALLS"
+if [ "$(wc -l < "$CALLS")" -eq 1 ]; then
+  printf '{"srun": %s}\\n' "${AGAIN:-0}" > "$RUN/RESTART"
+  touch "$RUN/.RESTART.start1"
+  exit 137
+fi
+exit 0
+"""
 
-    def identity(start):
-        return TaskIdentity(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0, master_addr="h",
-                            master_port=1, job_id="9", restart_count=0, launcher="srun", in_job_restart=start)
 
-    (tmp_path / RESTART).write_text(json.dumps({"srun": 1}) + "\n")
-    note_start(tmp_path, identity(1))  # its own start's: kept
-    assert restart_of(str(tmp_path))["srun"] == 1
-    note_start(tmp_path, identity(2))  # an earlier start's: gone
-    assert not (tmp_path / RESTART).exists() and not list(tmp_path.glob(f".{RESTART}*"))
+@pytest.mark.parametrize("again", [False, True])
+def test_the_step_loop_follows_the_agents_last_start(tmp_path, again):
+    import shlex
+    import sys
+
+    from helpers import compose_run, run_step_loop
+    from launcher.submit import render_script
+    from spec.layout import build_layout
+
+    cfg = compose_run(["+cluster=localslurm", "launcher.snapshot=false"])
+    run_dir = tmp_path / "run"
+    (run_dir / "slurm").mkdir(parents=True)
+    script = render_script(cfg, build_layout(cfg), run_dir, python=shlex.quote(sys.executable), wrapper="/w.sh")
+    proc = run_step_loop(tmp_path, script, AGENTS_SRUN, {"RUN": str(run_dir), **({"AGAIN": "1"} if again else {})})
+    calls = [c.split()[0] for c in (tmp_path / "calls").read_text().splitlines()]
+    if again:  # start 1's own request: the next srun is start 2
+        assert proc.returncode == 0 and calls == ["0", "2"], (calls, proc.stderr[-2000:])
+        assert "restart 2 of 3 inside job 41" in proc.stderr
+    else:  # start 0's request is done with: start 1's failure goes to after-srun, no new srun
+        assert proc.returncode == 137 and calls == ["0"], (calls, proc.stderr[-2000:])
+        assert not (run_dir / RESTART).exists()
 
 
 def test_a_ranks_output_goes_to_submitits_file_for_its_rank(tmp_path):

@@ -27,8 +27,10 @@ or by an agent) stops the node's ranks: :data:`STOP_S` for those already ending 
 themselves (the rank that asked prints its traceback), then SIGKILL (run.json is written
 atomically, checkpoints commit atomically: nothing committed is lost). Then, while the
 restart drops no node, every agent forks fresh ranks for start k+1 from its warm state
-(no imports, no new srun; the rendezvous port follows k+1, and the new segment's rank 0
-removes the old RESTART once every rank joined: :func:`train.harness.restart.note_start`).
+(no imports, no new srun; the rendezvous port follows k+1). RESTART stays until the srun
+ends, so that every agent reads it whenever it looks; each agent marks the start it
+begins (``RUN_DIR/.RESTART.start<k+1>``), from which the batch script's loop knows, once
+srun ends, which start was the last and that an earlier start's RESTART is done with.
 A restart that drops nodes (hot spares), a refusal, or the end of the run ends the agent
 with its ranks' status: srun's ``--kill-on-bad-exit`` ends the other nodes' agents, and
 the batch script's loop (slurm/step_loop.sh) does the rest, as for per-rank tasks.
@@ -135,7 +137,19 @@ class Agent(Forwarding):
         nodes = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
         self.look_s = max(RESTART_POLL_S, nodes / STATS_PER_S)
         self.host = socket.gethostname()
+        self.seen: Tuple[Optional[tuple], Optional[dict]] = (None, None)  # RESTART's (stat key, entry)
         self.forward(PASSED)
+
+    def asked(self) -> Optional[dict]:
+        """RUN_DIR/RESTART's entry (:func:`restart_of`), read again only when a stat says it changed."""
+        try:
+            st = os.stat(Path(self.run_dir) / RESTART)
+        except OSError:
+            return None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self.seen[0]:
+            self.seen = (key, restart_of(self.run_dir))
+        return self.seen[1]
 
     def say(self, line: str) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
@@ -167,6 +181,7 @@ class Agent(Forwarding):
             if asked is None or asked.get("srun") != start or asked["exclude"]:
                 return code  # done, refused, or a restart without nodes: the step loop's
             start += 1
+            (Path(self.run_dir) / f".{RESTART}.start{start}").touch()  # for the step loop once srun ends
             self.say(f"restarting the node's ranks from the warm agent (start {start} of the step)")
 
     def fork(self, start: Optional[int]) -> None:
@@ -197,7 +212,7 @@ class Agent(Forwarding):
                     stop_at = time.monotonic() + STOP_S
             now = time.monotonic()
             if stop_at is None and start is not None and now >= look:
-                asked = restart_of(self.run_dir)
+                asked = self.asked()
                 if asked is not None and asked.get("srun") == start:
                     self.say(f"restart asked ({asked.get('reason')}, rank {asked.get('rank')}): stopping the node's ranks")
                     stop_at = now + STOP_S

@@ -199,12 +199,9 @@ def _open(info: Mapping[str, Any], job: str, key: str) -> List[int]:
 
 
 def note_start(run_dir: Path, identity: TaskIdentity) -> None:
-    """Rank 0 of a segment the step loop restarted: ``restarted_at`` of its entry; and the
-    RESTART of an earlier start gone (node agents restart without the step loop, which
-    removes it before each srun: every rank joined, so every agent has read it)."""
+    """Rank 0 of a segment the step loop (or the node agents) restarted: ``restarted_at`` of its entry."""
     if not identity.in_job_restart:
         return
-    _drop_stale(Path(run_dir), identity.in_job_restart)
 
     def change(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         found = _open(info, identity.job_id, "restarted_at")
@@ -217,28 +214,6 @@ def note_start(run_dir: Path, identity: TaskIdentity) -> None:
         return {"in_job_restarts": entries}
 
     change_run_json(run_dir, change)
-
-
-def _drop_stale(run_dir: Path, start: int) -> None:
-    """Remove RUN_DIR/RESTART when an earlier start than ``start`` wrote it. Taken by a
-    rename first: a newer one written meanwhile is never removed (put back by a link,
-    which a newer file in its place refuses)."""
-    path, taken = run_dir / RESTART, run_dir / f".{RESTART}.{os.getpid()}.stale"
-    try:
-        os.rename(path, taken)
-    except OSError:
-        return
-    try:
-        first = taken.read_text().splitlines()[:1]
-        srun = json.loads(first[0]).get("srun") if first else None
-    except (OSError, ValueError):
-        srun = None
-    try:
-        if isinstance(srun, int) and srun >= start:
-            os.link(taken, path)  # this start's own: back in place
-    except OSError:
-        pass
-    taken.unlink(missing_ok=True)
 
 
 def note_first_row(run_dir: Path, identity: TaskIdentity, row: Mapping[str, Any]) -> None:
