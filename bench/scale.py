@@ -12,7 +12,9 @@ For each W and each of the two ranks it measures:
   (``Watchdog._beat``: in a run the watchdog's thread writes one every interval, >= 1 s,
   so one a step is the worst case) and, on rank 0, one metrics row (``MetricsRow`` with
   the step-time breakdown, ``spec.rundir.append_metrics``): the median over ``--steps``
-  steps after a warm-up, and the file calls a step;
+  steps after a warm-up, and the file calls a step. Not counted: the step's all-gather,
+  timed apart (``collective``), the fake backend's host copy of W rows (NCCL's is on the
+  device);
 - the async save's coordination group (``coordination_group``; before it, the gloo group
   ``AsyncSaver.prepare`` made, which the fake backend cannot make: n/a);
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import functools
 import inspect
 import io
 import json
@@ -49,7 +52,8 @@ from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Dict, List, Optional, Tuple
+from unittest import mock
+from typing import Dict, List, Optional, Tuple, Union
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -72,7 +76,8 @@ RANKS_PER_NODE = 8
 DEAD_NODE = 1  # its ranks stopped beating: a node failure
 WARMUP = 5
 SURVEYED = hasattr(manifest, "shared_survey")  # rank 0 surveys, broadcasts (after the scale changes)
-PARTS = ("agree", "stragglers", "row", "beat")
+PARTS = ("agree", "stragglers", "row", "beat")  # the step's host work, without the collective
+COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather")  # the agreement's, now and before
 
 
 @contextmanager
@@ -96,6 +101,23 @@ def counting(root: Path):
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
+
+
+@contextmanager
+def timed_collectives(spent: List[Tuple[float, float]]):
+    """This thread's CPU seconds and the wall seconds of each call of the agreement's
+    all-gather into ``spent``, apart from the loop's own work: the loop calls it through
+    ``torch.distributed``, wrapped here (torch's inner calls go through ``distributed_c10d``)."""
+    def timed(fn, *args, **kwargs):
+        t0, w0 = time.thread_time(), time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent.append((time.thread_time() - t0, time.perf_counter() - w0))
+
+    with mock.patch.multiple(dist, **{name: functools.partial(timed, getattr(dist, name))
+                                      for name in COLLECTIVES if hasattr(dist, name)}):
+        yield
 
 
 @contextmanager
@@ -134,7 +156,7 @@ def _table(world: int) -> Optional["loop.StepTable"]:
     return table
 
 
-def _agree(task, engine, step: int, clock: StepClock, table) -> List[List[float]]:
+def _agree(task, engine, step: int, clock: StepClock, table) -> Union[torch.Tensor, List[List[float]]]:
     """One agreement; its times table (synthetic where the old list gather left garbage
     that reads as a non-finite loss)."""
     args = (task, engine, step, torch.tensor(2.0), torch.tensor(1.0), False, clock)
@@ -147,14 +169,17 @@ def _agree(task, engine, step: int, clock: StepClock, table) -> List[List[float]
 
 def _one_step(step: int, rank: int, world: int, state: dict, run_dir: Path) -> Dict[str, float]:
     """A step's bookkeeping, timed by part: this thread's CPU seconds (what the host did,
-    whatever else the machine runs), and the wall seconds of the whole."""
-    clock = state["clock"]
+    whatever else the machine runs), and the wall seconds of the whole; the agreement's
+    all-gather apart (``collective``), counted in neither."""
+    clock, spent = state["clock"], state["collective"]
     clock.begin()
     clock.data_ready()
     clock.computed()
+    spent.clear()
     w0, t0 = time.perf_counter(), time.thread_time()
     times = _agree(state["task"], state["engine"], step, clock, state["table"])
     t1 = time.thread_time()
+    gather, w_gather = sum(c for c, _ in spent), sum(w for _, w in spent)
     state["stragglers"].update(times, step + 1)
     t2 = time.thread_time()
     if rank == 0:
@@ -163,8 +188,8 @@ def _one_step(step: int, rank: int, world: int, state: dict, run_dir: Path) -> D
     t3 = time.thread_time()
     state["watchdog"]._beat()
     t4 = time.thread_time()
-    return {"agree": t1 - t0, "stragglers": t2 - t1, "row": t3 - t2, "beat": t4 - t3, "total": t4 - t0,
-            "wall": time.perf_counter() - w0}
+    return {"agree": t1 - t0 - gather, "stragglers": t2 - t1, "row": t3 - t2, "beat": t4 - t3,
+            "total": t4 - t0 - gather, "collective": gather, "wall": time.perf_counter() - w0 - w_gather}
 
 
 def step_work(rank: int, world: int, steps: int, root: Path) -> Dict[str, float]:
@@ -177,14 +202,15 @@ def step_work(rank: int, world: int, steps: int, root: Path) -> Dict[str, float]
                             timeout_s=0, interval_s=1.0)  # not started: the bench writes its beats
         state = {"task": _task(world, watchdog), "engine": _engine(), "clock": StepClock(torch.device("cpu")),
                  "table": _table(world), "stragglers": Stragglers(groups=[list(range(world))]),
-                 "watchdog": watchdog}
-        for step in range(WARMUP):
-            _one_step(step, rank, world, state, run_dir)
-        with counting(run_dir) as calls:
-            parts = [_one_step(WARMUP + s, rank, world, state, run_dir) for s in range(steps)]
+                 "watchdog": watchdog, "collective": []}
+        with timed_collectives(state["collective"]):
+            for step in range(WARMUP):
+                _one_step(step, rank, world, state, run_dir)
+            with counting(run_dir) as calls:
+                parts = [_one_step(WARMUP + s, rank, world, state, run_dir) for s in range(steps)]
     finally:
         dist.destroy_process_group()
-    out = {k: 1000 * statistics.median(p[k] for p in parts) for k in PARTS + ("total", "wall")}
+    out = {k: 1000 * statistics.median(p[k] for p in parts) for k in PARTS + ("total", "collective", "wall")}
     out["calls"] = sum(calls.values()) / steps
     return out
 
@@ -292,12 +318,16 @@ def classify_job(root: Path, world: int) -> Tuple[int, float]:
 
 # ---- the table ------------------------------------------------------------------------------
 
-def measure(world: int, steps: int, root: Path, quadratic_max: int = 512) -> dict:
-    """One row: both ranks' steps and coordination, the job's restore and classification
-    (None: skipped, W^2 calls before the scale changes)."""
-    ranks = (0, world - 1)
-    row = {"world": world, "steps": {r: step_work(r, world, steps, root) for r in ranks},
-           "coordination": {r: coordination(r, world) for r in ranks}}
+def stepped(world: int, steps: int, root: Path) -> dict:
+    """Both ranks' steps and coordination."""
+    return {"world": world, "steps": {r: step_work(r, world, steps, root) for r in (0, world - 1)},
+            "coordination": {r: coordination(r, world) for r in (0, world - 1)}}
+
+
+def measure(world: int, steps: int, root: Path, quadratic_max: int = 512, row: Optional[dict] = None) -> dict:
+    """One row: ``row`` (:func:`stepped`; None: measured now), the job's restore and
+    classification (None: skipped, W^2 calls before the scale changes)."""
+    row = row or stepped(world, steps, root)
     linear = SURVEYED or world <= quadratic_max
     row["restore"] = restore_job(root, world) if linear else None
     linear = "segment" in inspect.signature(classify_failure).parameters or world <= quadratic_max
@@ -328,9 +358,11 @@ def render(rows: List[dict]) -> str:
         restore, classify = _job(row["restore"], w), _job(row["classify"], w)
         out.append(f"| {w:,} | {_pair(r0['total'], last['total'], '.3f')} | {_pair(r0['calls'], last['calls'], 'g')} "
                    f"| {_pair(*coord, '.2f')} | {restore[0]} | {restore[1]} | {classify[0]} | {classify[1]} |")
-    out += ["", "Rank 0's step by part, median CPU ms (and its wall ms): " + "; ".join(
-        f"W={row['world']:,}: " + ", ".join(f"{k} {row['steps'][0][k]:.3f}" for k in PARTS)
-        + f" (wall {row['steps'][0]['wall']:.3f})" for row in rows)]
+    out += ["", "Step host CPU ms: the loop's own work, without the step's all-gather (the fake backend's host "
+            "copy of W rows; NCCL's is on the device), timed apart: collective. Rank 0's step by part, median CPU "
+            "ms (and its wall ms): " + "; ".join(f"W={row['world']:,}: " + ", ".join(
+                f"{k} {row['steps'][0][k]:.3f}" for k in PARTS) + f" (wall {row['steps'][0]['wall']:.3f}); not "
+                f"counted: collective {row['steps'][0]['collective']:.3f}" for row in rows)]
     big = max(rows, key=lambda r: r["world"])
     worst = max(big["steps"][r]["total"] for r in big["steps"])
     out.append(f"Goal: step host work < 1 ms at 4,096 ranks: {worst:.3f} ms at W={big['world']:,} (worst rank): "
@@ -354,7 +386,9 @@ def main(argv: Optional[List[str]] = None) -> str:
     args = ap.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
-        rows = [measure(w, args.steps, Path(tmp), args.quadratic_max) for w in worlds]
+        # Steps first: after a restore's thousands of new files, a heartbeat's write took ~1 ms, not 0.15
+        rows = [stepped(w, args.steps, Path(tmp)) for w in worlds]
+        rows = [measure(w, args.steps, Path(tmp), args.quadratic_max, row) for w, row in zip(worlds, rows)]
     text = render(rows)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.steps} steps a rank\n")
     print(text)

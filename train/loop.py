@@ -155,7 +155,7 @@ class Agreed:
     peak_reserved: Optional[int]  # the busiest rank's allocator peak (CUDA; None elsewhere)
     preempted: bool  # some rank got a signal
     save_due: bool  # rank 0 asked for a checkpoint (minutes elapsed, or SAVE_NOW)
-    times: Optional[list] = None  # per rank, train.steptimes.FIELDS of this step
+    times: Optional[torch.Tensor] = None  # (world, len(FIELDS)) float64 on CPU: per rank, train.steptimes.FIELDS
     profile_due: bool = False  # rank 0 saw RUN_DIR/PROFILE_NOW (train/profiling.py)
 
 
@@ -207,12 +207,14 @@ def _agree(task: Task, engine: Engine, step: int, loss: torch.Tensor, grad_norm:
     task.watchdog.progress(step + 1)
     table = table.cpu()  # the CPU buffer itself on CPU: read before the next step refills it
     flag.agreed_requeue = bool(table[:, 3].max() >= 2)  # some rank got the user signal
+    # The times stay a tensor (a copy, the next step refills the table): train/steptimes.py
+    # reads them with tensor operations, no Python float a rank (W x 4 of them at W ranks).
     agreed = Agreed(loss=float(table[:, 0].sum() / ctx.world_size),
                     grad_norm=float(table[:, 1].sum() / ctx.world_size), peak_mem=int(table[:, 2].max()),
                     peak_reserved=None if table[:, 5].max() < 0 else int(table[:, 5].max()),
                     preempted=bool(table[:, 3].any()), save_due=bool(table[:, 4].any()),
                     profile_due=bool(table[:, 6].any()),
-                    times=table[:, 7:7 + len(FIELDS)].tolist())
+                    times=table[:, 7:7 + len(FIELDS)].clone())
     if not math.isfinite(agreed.loss):
         raise FloatingPointError(f"loss is {agreed.loss} at step {step + 1}; lower optim.lr")
     return agreed
@@ -239,7 +241,7 @@ class Meter:
             mfu=mfu(self.tokens_per_step / dt, self.flops_token, self.peak, self.n_gpus),
             global_batch_size=self.global_batch, tokens_per_step=self.tokens_per_step,
             world_size=self.world_size, segment=segment, time=time.time(),
-            **(breakdown(agreed.times) if agreed.times else {}),
+            **(breakdown(agreed.times) if agreed.times is not None else {}),
         )
 
 
@@ -312,7 +314,7 @@ def _report(task: Task, meter: Meter, tracking: Tracking, step: int, lr: float, 
     if cfg.train.steptimes_file:
         with open(task.run_dir / STEPTIMES, "a") as f:
             f.write(json.dumps({"step": step + 1, "segment": task.segment, "fields": FIELDS,
-                                "ranks": agreed.times}) + "\n")
+                                "ranks": agreed.times.tolist()}) + "\n")
 
 
 def _stragglers(task: Task, stragglers: Stragglers, step: int, ckpt: Checkpointer, engine: Engine,

@@ -39,10 +39,9 @@ fwd_bwd_s in the metrics rows is all it shows.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -110,27 +109,69 @@ class StepClock:
 
 
 def spread(values: Sequence[float]) -> Dict[str, float]:
-    """min / median / max over ranks, and the rank of the max."""
-    worst = max(range(len(values)), key=lambda r: values[r])
-    return {"min": float(min(values)), "median": float(statistics.median(values)), "max": float(values[worst]),
-            "max_rank": worst}
+    """min / median / max over ranks, and the rank of the max (the first, on a tie)."""
+    return _spreads(torch.as_tensor(values, dtype=torch.float64)[None])[0]
 
 
-def breakdown(table: Sequence[Sequence[float]]) -> Dict[str, Dict[str, float]]:
-    """Per field, :func:`spread` over ranks (rows: ranks; columns: :data:`FIELDS`), plus
-    ``wait_s``, each rank's wait at the step's collective (slowest busy - own busy)."""
-    columns = {name: [float(row[i]) for row in table] for i, name in enumerate(FIELDS)}
-    slowest = max(columns["busy_s"])
-    out = {name: spread(values) for name, values in columns.items()}
-    out["wait_s"] = spread([slowest - b for b in columns["busy_s"]])
+def _spreads(columns: torch.Tensor) -> List[Dict[str, float]]:
+    """:func:`spread` of each row of ``columns`` (rows: fields; columns: ranks), in C: a
+    quickselect per order statistic, no sort and no Python float a rank. The median is
+    ``statistics.median``'s: the middle value, or the mean of the two middle ones, added
+    and halved in Python as it does, so every figure is the one a list of floats gives
+    (times are finite: a NaN would order differently)."""
+    n = columns.shape[1]
+    middle = [columns.kthvalue(k, dim=1).values for k in ((n // 2, n // 2 + 1) if n % 2 == 0 else (n // 2 + 1,))]
+    found = torch.stack([columns.amin(dim=1), columns.amax(dim=1), columns.argmax(dim=1).to(columns.dtype)]
+                        + middle).tolist()
+    out = []
+    for f, (low, high, worst) in enumerate(zip(*found[:3])):
+        median = found[3][f] if n % 2 else (found[3][f] + found[4][f]) / 2
+        out.append({"min": low, "median": median, "max": high, "max_rank": int(worst)})
     return out
 
 
-def self_times(table: Sequence[Sequence[float]], group: Sequence[int]) -> Dict[int, float]:
+def as_table(table: Union[torch.Tensor, Sequence[Sequence[float]]]) -> torch.Tensor:
+    """A step's times table (rows: ranks; columns: :data:`FIELDS`) as a float64 CPU tensor:
+    the loop's own (train/loop.py ``Agreed.times``) as is, a list of rows copied."""
+    return torch.as_tensor(table, dtype=torch.float64, device="cpu")
+
+
+def breakdown(table: Union[torch.Tensor, Sequence[Sequence[float]]]) -> Dict[str, Dict[str, float]]:
+    """Per field, :func:`spread` over ranks (rows: ranks; columns: :data:`FIELDS`), plus
+    ``wait_s``, each rank's wait at the step's collective (slowest busy - own busy)."""
+    t = as_table(table)
+    busy = t[:, FIELDS.index("busy_s")]
+    columns = torch.cat([t.T, (busy.max() - busy)[None]])
+    return dict(zip(FIELDS + ("wait_s",), _spreads(columns)))
+
+
+def self_times(table: Union[torch.Tensor, Sequence[Sequence[float]]], group: Sequence[int]) -> Dict[int, float]:
     """The self time of each rank of ``group`` (peers): busy less its waits (module text)."""
-    i_fb, i_busy = FIELDS.index("fwd_bwd_s"), FIELDS.index("busy_s")
-    least_fb = min(float(table[r][i_fb]) for r in group)
-    return {r: float(table[r][i_busy]) - (float(table[r][i_fb]) - least_fb) for r in group}
+    own = _self_times(as_table(table)[list(group)][None])[0]
+    return dict(zip(group, own.tolist()))
+
+
+def _self_times(rows: torch.Tensor) -> torch.Tensor:
+    """:func:`self_times` of groups of peers of one size: ``rows`` (groups, size, FIELDS)."""
+    fwd_bwd, busy = rows[..., FIELDS.index("fwd_bwd_s")], rows[..., FIELDS.index("busy_s")]
+    return busy - (fwd_bwd - fwd_bwd.amin(dim=-1, keepdim=True))
+
+
+@dataclass
+class _Batch:
+    """The groups of peers of one size, at their positions in :attr:`Stragglers.groups`;
+    ``rows``: their ranks, the rows of the table to gather (None: the table's own rows
+    already are these groups in order, a view suffices); ``streak``: (groups, size), the
+    steps in a row each was slow."""
+
+    positions: List[int]
+    ranks: List[List[int]]
+    rows: Optional[torch.Tensor]
+    streak: torch.Tensor
+
+    def times(self, t: torch.Tensor) -> torch.Tensor:
+        shape = self.streak.shape + (t.shape[1],)
+        return t.reshape(shape) if self.rows is None else t.index_select(0, self.rows).view(shape)
 
 
 @dataclass
@@ -140,47 +181,82 @@ class Stragglers:
     score: float = 0.67  # train.straggler_score (0: off)
     steps: int = 10  # train.straggler_steps: in a row
     min_s: float = 0.05  # train.straggler_min_s: at least this much busier than the median
-    streak: Dict[int, int] = field(default_factory=dict)
     flagged: Dict[int, Dict[str, float]] = field(default_factory=dict)
 
-    groups: List[List[int]] = field(default_factory=list)  # peers; empty: all ranks
+    groups: List[List[int]] = field(default_factory=list)  # peers, disjoint; empty: all ranks
+    _batches: Optional[Tuple[int, List[_Batch]]] = field(default=None, init=False, repr=False, compare=False)
 
-    def update(self, table: Sequence[Sequence[float]], step: int) -> List[int]:
+    def update(self, table: Union[torch.Tensor, Sequence[Sequence[float]]], step: int) -> List[int]:
         """Feed one step's table (rows: ranks; columns: :data:`FIELDS`); the ranks newly
-        flagged at this step."""
+        flagged at this step, in the order of :attr:`groups` and their ranks. Tensor work
+        over the groups of one size at once (a job of thousands of ranks runs this every
+        step), the same decisions and figures as a rank-by-rank loop."""
         if self.score <= 0:
             return []
-        new = []
-        for group in self.groups or [list(range(len(table)))]:
-            if len(group) < 2:
-                continue
-            own = self_times(table, group)
-            others = medians_of_the_others([own[r] for r in group])
-            for rank, median in zip(group, others):
-                s = median / own[rank] if own[rank] > 0 else 1.0
-                slow = s < self.score and own[rank] - median >= self.min_s
-                self.streak[rank] = self.streak.get(rank, 0) + 1 if slow else 0
-                if self.streak[rank] >= self.steps and rank not in self.flagged:
-                    self.flagged[rank] = {"rank": rank, "step": step, "score": round(s, 3), "self_s": own[rank],
-                                          "median_self_s": median, "steps_in_a_row": self.streak[rank]}
-                    new.append(rank)
-        return new
+        t = as_table(table)
+        hits = []
+        for batch in self._batched(len(t)):
+            own = _self_times(batch.times(t))
+            median = others_medians(own)
+            s = torch.where(own > 0, median / own, 1.0)
+            slow = (s < self.score) & (own - median >= self.min_s)
+            batch.streak = streak = torch.where(slow, batch.streak + 1, 0)
+            for g, i in (streak >= self.steps).nonzero().tolist():
+                if batch.ranks[g][i] not in self.flagged:
+                    hits.append((batch.positions[g], i, batch.ranks[g][i], float(s[g, i]), float(own[g, i]),
+                                 float(median[g, i]), int(streak[g, i])))
+        for _, _, rank, s, own, median, streak in sorted(hits):
+            self.flagged[rank] = {"rank": rank, "step": step, "score": round(s, 3), "self_s": own,
+                                  "median_self_s": median, "steps_in_a_row": streak}
+        return [hit[2] for hit in sorted(hits)]
+
+    def streaks(self) -> Dict[int, int]:
+        """Per rank of a group of two or more, the steps in a row it was slow."""
+        return {rank: n for batch in (self._batches or (0, []))[1]
+                for ranks, counts in zip(batch.ranks, batch.streak.tolist()) for rank, n in zip(ranks, counts)}
+
+    def _batched(self, world: int) -> List[_Batch]:
+        """The groups of two ranks or more, by size; made once for a world size."""
+        if self._batches is None or self._batches[0] != world:
+            groups = self.groups or [list(range(world))]
+            ranks = [r for g in groups for r in g]
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"Stragglers.groups must be disjoint: a rank is in two groups of {groups}")
+            sizes: Dict[int, List[int]] = {}
+            for i, g in enumerate(groups):
+                if len(g) >= 2:
+                    sizes.setdefault(len(g), []).append(i)
+            batches = []
+            for positions in sizes.values():
+                members = [groups[i] for i in positions]
+                flat = [r for g in members for r in g]
+                rows = None if flat == list(range(world)) else torch.tensor(flat)
+                batches.append(_Batch(positions, members, rows, torch.zeros(len(members), len(members[0]),
+                                                                            dtype=torch.int64)))
+            self._batches = (world, batches)
+        return self._batches[1]
+
+
+def others_medians(values: torch.Tensor) -> torch.Tensor:
+    """For each value of each row, the median of the row's others: the row's order
+    statistics around its middle, picked by comparison (two or three quickselects a row,
+    no sort and no loop over values). With the row's values ranked r[0] <= r[1] <= ..., the k-th smallest of the
+    others of v is r[k] where v > r[k], else r[k + 1] (where v == r[k], either of its copies
+    left out leaves the same others); the median of n = size - 1 others is the middle one
+    for odd n, the two middle ones added and halved for even n, as ``statistics.median``."""
+    n = values.shape[-1] - 1
+    m = n // 2
+    ranked = {j: values.kthvalue(j + 1, dim=-1, keepdim=True).values for j in range(m - 1 + n % 2, m + 2)}
+
+    def kth(k: int) -> torch.Tensor:  # the k-th smallest (from 0) of the others, for each value
+        return torch.where(values > ranked[k], ranked[k], ranked[k + 1])
+
+    return kth(m) if n % 2 else (kth(m - 1) + kth(m)) / 2
 
 
 def medians_of_the_others(values: Sequence[float]) -> List[float]:
-    """For each value, the median of all the others: one sort, not one per rank (a job of
-    thousands of ranks runs this every step)."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranked = [values[i] for i in order]
-    n, out = len(values) - 1, [0.0] * len(values)
-
-    def kth(k: int, gone: int) -> float:  # the k-th smallest once position ``gone`` is removed
-        return ranked[k] if k < gone else ranked[k + 1]
-
-    for position, i in enumerate(order):
-        m = n // 2
-        out[i] = kth(m, position) if n % 2 else (kth(m - 1, position) + kth(m, position)) / 2
-    return out
+    """:func:`others_medians` of a list."""
+    return others_medians(torch.as_tensor(values, dtype=torch.float64)).tolist()
 
 
 def peers(layout) -> List[List[int]]:
