@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from launcher import submit
+from launcher import allocation, submit
 from launcher.plan.checkpoints import SavePlan, resolve as resolve_saves
 from launcher.plan.gate import check_fits
 from slurm import query
@@ -48,6 +48,7 @@ def check(cfg: RunConfig, probe: Optional[submit.SlurmProbe] = None
     if cfg.cluster.backend == "slurm" and not cfg.launcher.dry_run:
         slurm_conf = submit.resolve_slurm_conf(cfg)
         submit.check_slurm(cfg, slurm_conf, probe if probe is not None else submit.SlurmProbe())
+        allocation.check_fits(cfg, slurm_conf)  # inside an allocation (cluster.allocation=auto): its nodes
     warning = signal_warning(cfg)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-from launcher import entrypoint, local, resources, snapshot, submit
+from launcher import allocation, entrypoint, local, resources, snapshot, submit
 from launcher.checks import already_done, check
 from launcher.compose import run_config
 from launcher.plan.checkpoints import SavePlan, describe as describe_saves, predicted_step_s
@@ -284,6 +284,8 @@ def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[in
         update_run_json(run_dir, conversion_job=after)
         print(f"submitted job {after}: DeepSpeed's universal conversion of the newest checkpoint for ZeRO stage "
               f"{convert} (1 node, CPUs only); the training job starts after it")
+    if allocation.in_use(cfg) and after is None:
+        return in_allocation(p, wait)
     job_id = str(submit.submit(cfg, layout, run_dir, p.slurm_conf, after=after, code=p.frozen).job_id)
     submitted(session, p, job_id)
     if wait:
@@ -291,7 +293,20 @@ def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[in
     return 0
 
 
-def submitted(session: Optional[Session], p: Point, job_id: str) -> None:
+def in_allocation(p: Point, wait: bool) -> int:
+    """Start the run as steps of the allocation this launch runs in (cluster.allocation=auto)."""
+    job, proc = allocation.start(p.cfg, p.layout, p.run_dir, p.slurm_conf, p.frozen)
+    submitted(None, p, job, f"started in allocation {job} (cluster.allocation=auto: no new job)")
+    update_run_json(p.run_dir, allocation=job)
+    if not wait:
+        return 0
+    code = proc.wait()
+    print(f"\nallocation {job}: the run's batch script ended with {code}")
+    print("\n".join(summary_lines(p.run_dir)))
+    return 0 if succeeded(status_of(read_run_json(p.run_dir)), exit_code=code) else 1
+
+
+def submitted(session: Optional[Session], p: Point, job_id: str, how: str = "") -> None:
     """Record a submitted job (run.json, this launch's session) and print its two lines."""
     update_run_json(p.run_dir, status=Status.SUBMITTED, job_id=job_id, requeues_since_submit=0,
                     slurm_conf=p.slurm_conf, code_snapshot=snapshot.record(p.frozen, p.cfg),
@@ -299,7 +314,8 @@ def submitted(session: Optional[Session], p: Point, job_id: str) -> None:
     if session is not None:
         session.submitted.append((job_id, p.run_dir, p.slurm_conf))
         session.wait = session.wait or p.cfg.launcher.wait
-    print(f"submitted job {job_id} ({p.label}): {p.cfg.cluster.nodes} node(s) x {p.cfg.cluster.gpus_per_node} tasks")
+    print(f"{how or f'submitted job {job_id}'} ({p.label}): {p.cfg.cluster.nodes} node(s) x "
+          f"{p.cfg.cluster.gpus_per_node} tasks")
     print(snapshot.describe(p.frozen, p.cfg, "froze"))
     if p.entry is None:
         print(batch_lines(p.cfg, p.layout, p.saves))

@@ -126,7 +126,8 @@ def default_job_name(cfg: RunConfig) -> str:
 
 
 def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = None, python: Optional[str] = None,
-                     run_dir: Optional[Path] = None, wrapper: Optional[str] = None) -> Dict[str, Any]:
+                     run_dir: Optional[Path] = None, wrapper: Optional[str] = None,
+                     allocation: bool = False) -> Dict[str, Any]:
     """submitit/sbatch parameters of this run (the same for dry run and submission): one
     task a node, the node's agent (STO_AGENT: it forks the node's ranks, train/harness/agent.py),
     with the node's CPUs; with cluster.gpu_binding=task one task per GPU, each with
@@ -135,7 +136,8 @@ def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = No
     records and restarts it: train.harness.restart.after_srun).
     ``code``: the run's frozen code (launcher.snapshot), first on the tasks' PYTHONPATH;
     ``python``: this interpreter's command when not sys.executable (render_script's);
-    ``run_dir`` (a sweep's: any point's), ``wrapper``: for a container's mounts."""
+    ``run_dir`` (a sweep's: any point's), ``wrapper``: for a container's mounts.
+    ``allocation``: the script runs inside an allocation (launcher/allocation.py): no requeue."""
     c = cfg.cluster
     gpu: Dict[str, Any] = {}
     extra: Dict[str, Any] = {}
@@ -149,8 +151,8 @@ def slurm_parameters(cfg: RunConfig, layout: Layout, code: Optional[Frozen] = No
     grace = submitit_adapter.restart_grace_s(heartbeat_interval(c.hang_timeout_s))
     params.update(gpu, setup=params["setup"] + submitit_adapter.step_loop(
         c.in_job_restarts, job_pythons(cfg, code, python)[1], c.spare_nodes, c.nodes, tasks, grace,
-        _task_python(code)[1], agent=c.gpus_per_node if c.agent() else 0),
-                  teardown=submitit_adapter.requeue_if_signalled(c.max_requeues))
+        _task_python(code)[1], agent=c.gpus_per_node if c.agent() else 0, allocation=allocation),
+                  teardown=[] if allocation else submitit_adapter.requeue_if_signalled(c.max_requeues))
     spare = {"no-kill": True} if c.spare_nodes else {}  # the job outlives a dead node
     params["additional_parameters"] = {"requeue": True, **spare, **extra, **params["additional_parameters"]}
     return params
@@ -208,10 +210,10 @@ def _task_python(code: Optional[Frozen]) -> Tuple[Optional[str], Optional[str]]:
 
 
 def render_script(cfg: RunConfig, layout: Layout, run_dir: Path, python: Optional[str] = None,
-                  wrapper: Optional[str] = None, code: Optional[Frozen] = None) -> str:
+                  wrapper: Optional[str] = None, code: Optional[Frozen] = None, allocation: bool = False) -> str:
     wrapper = wrapper or _task_python(code)[1]
-    return submitit_adapter.render(slurm_parameters(cfg, layout, code, python, run_dir, wrapper), run_dir / "slurm",
-                                   job_pythons(cfg, code, python)[0], wrapper)
+    return submitit_adapter.render(slurm_parameters(cfg, layout, code, python, run_dir, wrapper, allocation),
+                                   run_dir / "slurm", job_pythons(cfg, code, python)[0], wrapper)
 
 
 def submit(cfg: RunConfig, layout: Layout, run_dir: Path, slurm_conf: Optional[str], after: Optional[str] = None,

@@ -174,6 +174,12 @@ def sbatch(script: str, env: Optional[Dict[str, str]] = None) -> str:
     return _run(["sbatch", "--parsable", script], env=env).strip().split(";")[0]
 
 
+def job_fields(job_id: str, env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """``scontrol show job -o JOB``'s plain fields (JobState, NumNodes, NodeList, ...);
+    SlurmUnavailable when Slurm does not know the job."""
+    return parse_job_fields(_run(["scontrol", "show", "job", "-o", str(job_id)], env=env))
+
+
 def slurm_env(slurm_conf: Optional[str]) -> Dict[str, str]:
     env = dict(os.environ)
     if slurm_conf:

@@ -23,6 +23,11 @@
 #   STO_STEP_NTASKS  its tasks (cluster.nodes x tasks per node)
 #   STO_AGENT        (exported) ranks per node when srun starts one agent a node that forks
 #                    them (train/harness/agent.py); unset: one srun task a rank
+#   STO_ALLOCATION   set: the script runs inside an allocation the user holds, not as a job of
+#                    its own (launcher/allocation.py): srun asks STO_STEP_NODES and
+#                    STO_STEP_NTASKS (it would take the whole allocation), and a task's request
+#                    to requeue is not done (the run stays resumable: launcher.resume), one to
+#                    cancel ends the step only, never the user's allocation
 # The batch script defines `sto_slurm CMD ARGS` first (Slurm's client as found before
 # cluster.env: slurm/submitit_adapter.slurm_client_lines); outside it, the client on the PATH.
 #
@@ -130,6 +135,11 @@ sto_request() {
   nodes=$(sed -n 's/^exclude=//p' "$taken")
   reason=$(sed -n 's/^reason=//p' "$taken")
   echo "the step asks: $action job $sto_job${nodes:+ without $nodes} ($reason)" >&2
+  if [ -n "${STO_ALLOCATION:-}" ]; then  # the user's allocation: never requeued nor cancelled by us
+    echo "inside allocation $sto_job: not done; resume the run with python -m launcher.resume $(cd "$1" && pwd)" >&2
+    [ "$action" = cancel ] && [ -n "$2" ] && sto_kill_srun "$2"
+    return 1
+  fi
   if [ -n "$2" ] && [ "$action" != cancel ]; then  # the step's srun, still running: gone before the requeue
     sto_kill_srun "$2"; wait "$2" 2>/dev/null
   fi
@@ -153,6 +163,8 @@ srun() {
     rm -f "$dir/$STO_RESTART" "$dir/$STO_REQUEST" "$dir/.$STO_RESTART".start*
     if [ "$STO_SPARES" -gt 0 ]; then  # the training nodes of the job's, without those dropped
       spare=(--nodes="$STO_STEP_NODES" --ntasks="$STO_STEP_NTASKS" --overlap ${sto_drop:+"--exclude=$sto_drop"})
+    elif [ -n "${STO_ALLOCATION:-}" ]; then  # the run's nodes of the allocation's
+      spare=(--nodes="$STO_STEP_NODES" --ntasks="$STO_STEP_NTASKS")
     fi
     from=$(stat -L -c %s "/proc/$$/fd/2" 2>/dev/null) || from=0  # srun's messages follow (this script's stderr)
     if [ "$STO_RESTARTS" -gt 0 ]; then

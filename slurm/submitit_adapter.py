@@ -104,7 +104,8 @@ def restart_grace_s(heartbeat_s: float) -> int:
 
 
 def step_loop(restarts: int, python: Optional[str] = None, spares: int = 0, nodes: int = 1,
-              tasks_per_node: int = 1, grace_s: int = 60, wrapper: Optional[str] = None, agent: int = 0) -> list[str]:
+              tasks_per_node: int = 1, grace_s: int = 60, wrapper: Optional[str] = None, agent: int = 0,
+              allocation: bool = False) -> list[str]:
     """The batch script's last setup lines for a training job: the parameters of the step's
     loop (:data:`STEP_LOOP`) and the line that sources it, with
     ``cluster.in_job_restarts=restarts`` (0: the step runs once) and ``python`` (as for
@@ -115,7 +116,9 @@ def step_loop(restarts: int, python: Optional[str] = None, spares: int = 0, node
     of the job's code (:func:`task_python`'s; a run's frozen copy, launcher/snapshot.py): the
     loop sourced is the one beside it, so a requeued job runs the loop it was submitted with.
     ``agent`` > 0: srun starts one agent a node that forks that many ranks (exported as
-    STO_AGENT, which marks the task: train/harness/agent.py); 0: one srun task a rank."""
+    STO_AGENT, which marks the task: train/harness/agent.py); 0: one srun task a rank.
+    ``allocation``: the script runs inside an allocation the user holds (STO_ALLOCATION: its
+    srun asks the run's ``nodes`` and tasks, nothing requeues or cancels the allocation)."""
     python = shlex.quote(sys.executable) if python is None else python
     loop = Path(wrapper).with_name(STEP_LOOP.name) if wrapper else STEP_LOOP
     head = ("# the training step (slurm/step_loop.sh): does what its tasks ask of Slurm "
@@ -124,7 +127,11 @@ def step_loop(restarts: int, python: Optional[str] = None, spares: int = 0, node
     spare = ""
     if spares > 0:
         head += f" on {int(nodes)} of the job's nodes (cluster.spare_nodes={int(spares)})"
+    if spares > 0 or allocation:
         spare = f" STO_STEP_NODES={int(nodes)} STO_STEP_NTASKS={int(nodes) * int(tasks_per_node)}"
+    if allocation:
+        head += "; inside an allocation the user holds (cluster.allocation=auto): no requeue"
+        spare += " STO_ALLOCATION=1"
     agents = [f"export STO_AGENT={int(agent)}  # one task a node: the agent forks its {int(agent)} ranks "
               "(train/harness/agent.py)"] if agent > 0 else []
     return [head, *agents,

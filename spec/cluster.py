@@ -135,6 +135,11 @@ class ClusterConfig:
     # launcher runs on (the nodes must see it, as a venv on a shared file system). The
     # batch script's own helpers run outside the container, on the launcher's interpreter.
     python: Optional[str] = None
+    # Inside an allocation the user already holds (salloc, or their own sbatch script:
+    # SLURM_JOB_ID set, outside any step): "auto" runs the job as srun steps of that
+    # allocation (launcher/allocation.py: no new job, no requeue; the nodes asked must fit);
+    # "never" (default) submits a job of its own as everywhere else.
+    allocation: str = "never"
     # Path of slurm.conf to use; null: $SLURM_CONF, else the system default. The localslurm
     # profile sets "auto": the cluster started by `make cluster-up` is found by itself.
     slurm_conf: Optional[str] = None

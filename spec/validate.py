@@ -19,7 +19,7 @@ _CHOICES = {
     "fault.hang_in": ("step", "save"),
     "cluster.backend": ("local", "slurm"),
     "cluster.accelerator": ("cpu", "gpu"),
-    "cluster.gpu_binding": ("node", "task"),
+    "cluster.gpu_binding": ("node", "task"), "cluster.allocation": ("never", "auto"),
     "cluster.cpu_bind": ("gpu", "none"),
     "strategy.engine": ("torch", "deepspeed"),
     "strategy.data_parallel": ("ddp", "fsdp", "none"),

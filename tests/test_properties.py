@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import launcher
+from launcher.resources import task_shape
 from launcher.submit import render_script
 from spec.config import ConfigError, RunConfig
 from spec.validate import validate
@@ -228,7 +229,7 @@ def test_hostile_run_dir_is_refused_or_reaches_the_job_exactly(value):
     assert _sbatch_flag(script, "--error") == f"{folder}/%j_0_log.err"
     words = _run_script(script)
     assert words["srun"] == ["--unbuffered", "--output", f"{folder}/%j_%t_log.out", "--error",
-                             f"{folder}/%j_%t_log.err", f"--cpus-per-task={cfg.cluster.task_cpus()}",
+                             f"{folder}/%j_%t_log.err", f"--cpus-per-task={task_shape(cfg)[1]}",
                              "--kill-on-bad-exit=1", "/bin/bash",
                              "/opt/sto/task_wrapper.sh", "python", "-u",
                              "-m", "submitit.core._submit", folder]
