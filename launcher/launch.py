@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-from launcher import allocation, entrypoint, local, resources, snapshot, submit
+from launcher import allocation, chain, entrypoint, local, resources, snapshot, submit
 from launcher.checks import already_done, check
 from launcher.compose import run_config
 from launcher.plan.checkpoints import SavePlan, describe as describe_saves, predicted_step_s
@@ -199,6 +199,9 @@ def dry_run(p: Point) -> int:
         print(script)
         print(resources.resources_line(p.cfg))
         print(snapshot.describe(code, p.cfg, "keeps" if p.frozen else "would freeze"))
+        for i, step in enumerate(p.cfg.launcher.then):  # launcher/chain.py: each waits on the one before
+            print(f"then: {step}: a job of its own ({p.cfg.launcher.then_dependency} on "
+                  f"{'the training job' if i == 0 else 'the one before'})")
     else:
         print(f"local: {p.layout.world_size} x `{sys.executable} -m train {p.run_dir}` with RANK=0..."
               f"{p.layout.world_size - 1}")
@@ -288,6 +291,11 @@ def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[in
         return in_allocation(p, wait)
     job_id = str(submit.submit(cfg, layout, run_dir, p.slurm_conf, after=after, code=p.frozen).job_id)
     submitted(session, p, job_id)
+    if cfg.launcher.then:
+        steps = chain.submit(cfg, run_dir, job_id, p.slurm_conf, submit.job_pythons(cfg, p.frozen)[1], p.frozen)
+        update_run_json(run_dir, chain=steps)
+        for step in steps:
+            print(f"then: {step['step']}: job {step['job_id']} ({cfg.launcher.then_dependency}:{step['after']})")
     if wait:
         return wait_and_report(job_id, run_dir, p.slurm_conf, cfg.launcher.wait_poll_s, cfg.launcher.wait_max_poll_s)
     return 0

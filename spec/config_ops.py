@@ -166,6 +166,14 @@ class LauncherConfig:
     # the launcher exits: points that share one job array get `--array=...%K`, other jobs
     # wait for earlier ones with `--dependency=afterany:...` (launcher/sweep.py). 0: no cap.
     max_parallel: int = 0
+    # Jobs after the training job (launcher/chain.py), each waiting on the one before:
+    # "export" (the newest checkpoint as a Hugging Face directory, RUN_DIR/export) or
+    # "cmd:COMMAND" ({run_dir} and {export_dir} replaced). [] = none.
+    then: List[str] = field(default_factory=list)
+    # Their dependency: "afterok" (only after a completed training; Slurm cancels them
+    # otherwise) or "afterany" (whatever its end).
+    then_dependency: str = "afterok"
+    then_time_min: int = 60  # each chained job's time limit (sbatch --time)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from launcher import chain
 from launcher.track import registry
 from launcher.track.summary import summary_lines
 from slurm import query
@@ -59,7 +60,8 @@ def failure_line(info: Dict) -> List[str]:
 def status_main(run_dir: Path) -> int:
     info = read_run_json(run_dir)
     lines = summary_lines(run_dir)
-    print("\n".join(lines[:-1] + job_lines(info) + failure_line(info) + lines[-1:]))
+    then = chain.status_lines(info, query.slurm_env(slurm_conf_of(info))) if info.get("chain") else []
+    print("\n".join(lines[:-1] + job_lines(info) + failure_line(info) + then + lines[-1:]))
     return 0
 
 
@@ -75,6 +77,7 @@ def cancel_main(run_dir: Path) -> int:
     name = registry.job_name_of(run_dir)
     conversion = str(info.get("conversion_job") or "")
     wanted = {job: name, **({conversion: f"{name}-convert" if name else None} if is_job_id(conversion) else {})}
+    wanted.update({str(e["job_id"]): None for e in info.get("chain") or []})  # launcher.then's jobs
     try:
         queued = query.squeue_jobs(list(wanted), env)
         ours = [j for j, jname in wanted.items() if j in queued and (not jname or queued[j]["JobName"] == jname)]
