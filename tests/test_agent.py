@@ -128,3 +128,20 @@ def test_a_ranks_output_goes_to_submitits_file_for_its_rank(tmp_path):
     mine.touch()
     assert log_paths(5, str(tmp_path), mine, "1") == (tmp_path / "191_0_5_log.out", tmp_path / "191_0_5_log.err")
     assert log_paths(5, str(tmp_path), None, "1") == (tmp_path / "logs" / "rank5.out", tmp_path / "logs" / "rank5.err")
+
+
+def test_the_warm_imports_leave_the_fork_safe_for_cuda(monkeypatch):
+    """Before the imports the parent asks NVML, not the driver, whether CUDA is there
+    (DeepSpeed's import asks; a driver asked before the fork leaves the ranks without CUDA);
+    CUDA initialised by the imports is refused rather than left to fail in every rank."""
+    import torch
+
+    from train.harness.forked import NVML_CHECK, warm_for_fork
+
+    monkeypatch.delenv(NVML_CHECK, raising=False)
+    seen = []
+    warm_for_fork("run", lambda run_dir: seen.append(os.environ.get(NVML_CHECK)))
+    assert seen == ["1"]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA was initialised by the imports before the ranks are forked"):
+        warm_for_fork("run", lambda run_dir: None)

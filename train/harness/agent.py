@@ -52,7 +52,7 @@ from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from slurm.env import AGENT_CHILD_ENV, AGENT_ENV, IN_JOB_RESTART_ENV, in_job_restart, in_srun_task, task_identity
 from spec.rundir import RESTART
-from train.harness.forked import Forwarding, run_child
+from train.harness.forked import Forwarding, run_child, warm_for_fork
 
 POLL_S = 0.05  # how often the agent reaps its ranks
 # How often it looks for RUN_DIR/RESTART (one stat a node): every 0.25 s, or less often from
@@ -263,7 +263,7 @@ def run_agent(run_dir: str, entry: Callable[[], int], warm: Callable[[str], None
     per_node = int(os.environ[AGENT_ENV])
     budget = to_run_config(Path(run_dir) / CONFIG).cluster.in_job_restarts
     t0 = time.monotonic()
-    warm(run_dir)
+    warm_for_fork(run_dir, warm)
     agent = Agent(run_dir, entry, per_node, budget)
     agent.own_logs()
     agent.say(f"{per_node} ranks from RANK {agent.node * per_node} (imports {time.monotonic() - t0:.1f} s)")

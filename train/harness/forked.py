@@ -180,6 +180,24 @@ def run_child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int], 
             os._exit(code)
 
 
+# torch.cuda.is_available() and device_count() ask the CUDA driver (cuInit) unless this is
+# set, and a process forked after that cannot use CUDA; with it they ask NVML, which leaves
+# fork safe (torch.cuda.is_available's note). DeepSpeed's import asks both (its accelerator
+# detection), so the warm parent sets it before the imports; the ranks inherit it.
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+def warm_for_fork(run_dir: str, warm: Callable[[str], None]) -> None:
+    """``warm(run_dir)`` in a parent that forks ranks afterwards, without touching CUDA."""
+    os.environ.setdefault(NVML_CHECK, "1")
+    warm(run_dir)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a rank's CUDA would fail after the fork
+        raise RuntimeError("CUDA was initialised by the imports before the ranks are forked (a module imported "
+                           f"by the workload uses the GPU at import); {NVML_CHECK}=1 did not prevent it: "
+                           "report the module, or run one srun task a rank (cluster.gpu_binding=task)")
+
+
 def fork_ranks(run_dir: str, entry: Callable[[], int], warm: Callable[[str], None]) -> Optional[Supervisor]:
     """In rank 0 started with ``STO_LOCAL_FORK``: ``warm(run_dir)`` (the workload's imports),
     then fork the other ranks (each runs ``entry``) and return their supervisor; None
@@ -188,7 +206,7 @@ def fork_ranks(run_dir: str, entry: Callable[[], int], warm: Callable[[str], Non
     if not spec:
         return None
     ranks: List[Dict[str, str]] = json.loads(spec)
-    warm(run_dir)
+    warm_for_fork(run_dir, warm)
     (Path(run_dir) / "logs").mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
