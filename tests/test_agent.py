@@ -145,3 +145,21 @@ def test_the_warm_imports_leave_the_fork_safe_for_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA was initialised by the imports before the ranks are forked"):
         warm_for_fork("run", lambda run_dir: None)
+
+
+def test_a_rank_ended_by_slurms_signal_is_no_failure_and_its_siblings_finish(tmp_path, monkeypatch):
+    """scancel's SIGTERM reaches every rank: one that dies of it records nothing, and the
+    agent leaves the others to end by themselves (their checkpoint first), not SIGKILLed."""
+    for key, value in AGENT_ENV.items():
+        monkeypatch.setenv(key, value)
+    update_run_json(tmp_path, status="running", job_id="77", segments=1, started_at=time.time())
+
+    def entry() -> int:
+        if os.environ["RANK"] == "3":
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.5)  # rank 2 saving after the signal
+        (tmp_path / "rank2_finished").write_text("x")
+        return 0
+
+    assert Agent(str(tmp_path), entry, 2, 1).run() == 128 + signal.SIGTERM
+    assert (tmp_path / "rank2_finished").exists() and read_run_json(tmp_path)["status"] == "running"

@@ -62,6 +62,10 @@ RESTART_POLL_S = 0.25
 STATS_PER_S = 1024
 STOP_S = 0.5  # once a restart is decided, how long the node's ranks may take to end by themselves
 PASSED = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+# A rank ended by one of these was ended from outside (scancel, a time limit, the warning
+# signal before its handler): no failure, and its siblings, which got the same signal, end
+# by themselves (a checkpoint first), bounded by Slurm's KillWait, not by the agent.
+ENDED_BY_SLURM = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
 
 
 def is_agent(env: Optional[Mapping[str, str]] = None) -> bool:
@@ -207,8 +211,8 @@ class Agent(Forwarding):
                 if code == 0 or failure is not None:
                     continue
                 failure = code
-                if stop_at is None:  # the first death: recorded before its siblings are stopped
-                    self.record(rank, code, start)
+                if stop_at is None and -code not in ENDED_BY_SLURM:  # the first death: recorded, then
+                    self.record(rank, code, start)                    # its siblings are stopped
                     stop_at = time.monotonic() + STOP_S
             now = time.monotonic()
             if stop_at is None and start is not None and now >= look:
