@@ -60,6 +60,9 @@ class Forwarding:
                 self.signal_children(signum)
             if callable(previous):
                 previous(signum, frame)
+            elif os.getpid() != self.owner:  # a rank whose own disposition is the default (or
+                signal.signal(signum, previous)  # ignore): that, as if this handler were not there
+                os.kill(os.getpid(), signum)
         return forward
 
     def signal_children(self, signum: int) -> None:
