@@ -37,14 +37,11 @@ Now: W + 15 (rank 0 alone reads the side files), under C_SAVE = 2 W at both size
 """
 from __future__ import annotations
 
-import builtins
-import io
 import json
 import os
+import sys
 import time
 import zlib
-from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List
 
@@ -61,51 +58,13 @@ from train.harness.classify import classify_failure, judge, read_beats
 from train.harness.watchdog import Watchdog
 from train.torch_compat import fake_process_group
 
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+# the call counter and the fake checkpoint and heartbeats, as bench/scale.py measures them
+from bench.scale import DEAD_NODE, RANKS_PER_NODE, counting, fake_checkpoint, heartbeats  # noqa: E402
+
 C = 8  # calls per rank per job, for each of the restore and the classification
 C_SAVE = 2  # calls per rank per save
-CALLS = [(os, "stat"), (os, "lstat"), (os, "open"), (builtins, "open"), (io, "open"), (os, "scandir"),
-         (os, "listdir"), (os, "replace"), (os, "rename")]
-RANKS_PER_NODE = 8
-DEAD_NODE = 1  # its ranks stopped beating: a node failure
-
-
-@contextmanager
-def counting(root: Path):
-    """A Counter of the calls (by function name) on paths under ``root`` while in the block."""
-    calls: Counter = Counter()
-    prefix = str(root)
-
-    def wrap(name, fn):
-        def counted(path, *args, **kwargs):
-            if isinstance(path, (str, os.PathLike)) and os.fspath(path).startswith(prefix):
-                calls[name] += 1
-            return fn(path, *args, **kwargs)
-        return counted
-
-    saved = [(mod, name, getattr(mod, name)) for mod, name in CALLS]
-    for mod, name, fn in saved:
-        setattr(mod, name, wrap(f"{mod.__name__}.{name}", fn))
-    try:
-        yield calls
-    finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
-
-
-def fake_checkpoint(root: Path, world: int) -> Path:
-    """A committed step of 2W+1 small files (DCP's layout) with its manifest."""
-    ckpt = root / "checkpoints" / "step_00000004"
-    (ckpt / "dcp").mkdir(parents=True)
-    files = {}
-    for rel, data in [(f"dcp/__{r}_0.distcp", b"d" * (8 + r % 5)) for r in range(world)] + \
-            [(f"extra_rank{r}.pt", b"x%d" % r) for r in range(world)] + [("dcp/.metadata", b"meta" * 9)]:
-        (ckpt / rel).write_bytes(data)
-        files[rel] = [len(data), zlib.crc32(data)]
-    (ckpt / manifest.MANIFEST).write_text(json.dumps({"step": 4, "files": dict(sorted(files.items())),
-                                                      "shape": {"world_size": world}}))
-    return ckpt
-
-
 def restore_as(ckpt: Path, rank: int, world: int, found) -> None:
     """One rank's file work of a restore; ``found``: rank 0's survey, broadcast."""
     backend = DCPBackend(rank)
@@ -122,16 +81,6 @@ def restore_as(ckpt: Path, rank: int, world: int, found) -> None:
     # Checkpointer._extra: the saving run's shape is the survey's; state.load_extra opens this rank's file
     with open(ckpt / f"extra_rank{rank}.pt", "rb"):
         pass
-
-
-def heartbeats(run_dir: Path, world: int, now: float) -> None:
-    folder = run_dir / "heartbeat"
-    folder.mkdir(parents=True, exist_ok=True)
-    for r in range(world):
-        dead = r // RANKS_PER_NODE == DEAD_NODE
-        (folder / f"rank{r}.json").write_text(json.dumps(
-            {"rank": r, "host": f"n{r // RANKS_PER_NODE}", "step": 7, "phase": "collective",
-             "time": now - 60 if dead else now + 3600}))  # live: fresh however long the test takes
 
 
 @pytest.fixture
