@@ -128,6 +128,9 @@ def test_a_ranks_output_goes_to_submitits_file_for_its_rank(tmp_path):
     mine.touch()
     assert log_paths(5, str(tmp_path), mine, "1") == (tmp_path / "191_0_5_log.out", tmp_path / "191_0_5_log.err")
     assert log_paths(5, str(tmp_path), None, "1") == (tmp_path / "logs" / "rank5.out", tmp_path / "logs" / "rank5.err")
+    assert log_paths(1, str(tmp_path), mine, "1", agent=True) == (tmp_path / "191_0_agent1_log.out",
+                                                                  tmp_path / "191_0_agent1_log.err")
+    assert log_paths(1, str(tmp_path), None, "1", agent=True)[0] == tmp_path / "logs" / "agent1.out"
 
 
 def test_the_warm_imports_leave_the_fork_safe_for_cuda(monkeypatch):

@@ -102,16 +102,17 @@ def task_output() -> Optional[Path]:
         return None
 
 
-def log_paths(rank: int, run_dir: str, mine: Optional[Path], task: str) -> Tuple[Path, Path]:
+def log_paths(rank: int, run_dir: str, mine: Optional[Path], task: str, agent: bool = False) -> Tuple[Path, Path]:
     """Where rank ``rank``'s stdout and stderr go: submitit's file names for task ``rank``
     beside the agent's task's (``mine``: ``<job>_<task>_log.out``), else
-    RUN_DIR/logs/rank<R>.out|err."""
-    suffix = f"_{task}_log.out"
+    RUN_DIR/logs/rank<R>.out|err. ``agent``: the agent's own of node ``rank``
+    (``<job>_agent<node>_log.*``, else RUN_DIR/logs/agent<node>.*)."""
+    suffix, who = f"_{task}_log.out", f"agent{rank}" if agent else str(rank)
     if mine is not None and mine.name.endswith(suffix) and mine.parent.is_dir():
         stem = mine.name[: -len(suffix)]
-        return mine.with_name(f"{stem}_{rank}_log.out"), mine.with_name(f"{stem}_{rank}_log.err")
-    logs = Path(run_dir) / "logs"
-    return logs / f"rank{rank}.out", logs / f"rank{rank}.err"
+        return mine.with_name(f"{stem}_{who}_log.out"), mine.with_name(f"{stem}_{who}_log.err")
+    logs, name = Path(run_dir) / "logs", f"agent{rank}" if agent else f"rank{rank}"
+    return logs / f"{name}.out", logs / f"{name}.err"
 
 
 def restart_of(run_dir: str) -> Optional[dict]:
@@ -162,12 +163,7 @@ class Agent(Forwarding):
     def own_logs(self) -> None:
         """The agent's own output (and submitit's lines after this) to ``<job>_agent<NODE>_log.out|err``
         beside its ranks' files: srun's file of its task is also rank <task>'s."""
-        out, err = log_paths(self.node, self.run_dir, self.task_out, self.task)
-        if out.name.endswith(f"_{self.node}_log.out"):
-            stem = out.name[: -len(f"_{self.node}_log.out")]
-            out, err = out.with_name(f"{stem}_agent{self.node}_log.out"), err.with_name(f"{stem}_agent{self.node}_log.err")
-        else:
-            out, err = out.with_name(f"agent{self.node}.out"), err.with_name(f"agent{self.node}.err")
+        out, err = log_paths(self.node, self.run_dir, self.task_out, self.task, agent=True)
         sys.stdout.flush()
         sys.stderr.flush()
         out.parent.mkdir(parents=True, exist_ok=True)
