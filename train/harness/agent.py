@@ -48,7 +48,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from slurm.env import AGENT_CHILD_ENV, AGENT_ENV, IN_JOB_RESTART_ENV, in_job_restart, in_srun_task, task_identity
 from spec.rundir import RESTART
@@ -134,8 +134,9 @@ def restart_of(run_dir: str) -> Optional[dict]:
 class Agent(Forwarding):
     """The ranks of one node, forked from this warm process and watched (see the module)."""
 
-    def __init__(self, run_dir: str, entry: Callable[[], int], per_node: int, budget: int) -> None:
+    def __init__(self, run_dir: str, entry: Callable[[], int], per_node: int, budget: int, cluster: Any = None) -> None:
         self.run_dir, self.entry, self.per_node, self.budget = run_dir, entry, per_node, budget
+        self.cluster = cluster  # the run's cluster section, for each rank's CPUs (None: not placed)
         self.children: Dict[int, int] = {}  # pid -> rank
         self.node = int(os.environ["SLURM_NODEID"])
         self.task, self.task_out = os.environ.get("SLURM_PROCID", "0"), task_output()  # before own_logs()
@@ -193,7 +194,7 @@ class Agent(Forwarding):
             if pid == 0:
                 run_child(env, self.run_dir, self.entry, self.owner,
                           log_paths(int(env["RANK"]), self.run_dir, self.task_out, self.task),
-                          self.per_node - 1)
+                          self.per_node - 1, self.cluster)
             self.children[pid] = int(env["RANK"])
 
     def generation(self, start: Optional[int]) -> int:
@@ -261,10 +262,10 @@ def run_agent(run_dir: str, entry: Callable[[], int], warm: Callable[[str], None
     from spec.rundir import CONFIG
 
     per_node = int(os.environ[AGENT_ENV])
-    budget = to_run_config(Path(run_dir) / CONFIG).cluster.in_job_restarts
+    cluster = to_run_config(Path(run_dir) / CONFIG).cluster  # read once for the node's ranks
     t0 = time.monotonic()
     warm_for_fork(run_dir, warm)
-    agent = Agent(run_dir, entry, per_node, budget)
+    agent = Agent(run_dir, entry, per_node, cluster.in_job_restarts, cluster)
     agent.own_logs()
     agent.say(f"{per_node} ranks from RANK {agent.node * per_node} (imports {time.monotonic() - t0:.1f} s)")
     return agent.run()

@@ -145,11 +145,12 @@ class Supervisor(Forwarding):
 
 
 def run_child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int], parent: int,
-              logs: Tuple[Path, Path], forked: int) -> None:
+              logs: Tuple[Path, Path], forked: int, cluster: Any) -> None:
     """In a forked child: become that rank (``rank_env``), send stdout and stderr to
     ``logs``, take its CPUs, run ``entry``, exit (never returns). ``parent``: the process
     that forked it (the child dies with it); ``forked``: how many ranks it forked besides
-    itself (local rank 0 here, train/harness/agent.py: none)."""
+    itself (local rank 0 here, train/harness/agent.py: none); ``cluster``: the run's cluster
+    section, read once by the parent (:func:`cluster_of`), for the rank's CPUs."""
     code = 1
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -163,7 +164,7 @@ def run_child(rank_env: Dict[str, str], run_dir: str, entry: Callable[[], int], 
             out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(out, fd)
             os.close(out)
-        _place(cluster_of(run_dir), rank_env, run_dir, forked)
+        _place(cluster, rank_env, run_dir, forked)
         code = entry()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -214,15 +215,15 @@ def fork_ranks(run_dir: str, entry: Callable[[], int], warm: Callable[[str], Non
     sys.stdout.flush()
     sys.stderr.flush()
     children: Dict[int, int] = {}
-    parent = os.getpid()
+    parent, cluster = os.getpid(), cluster_of(run_dir)
     logs = Path(run_dir) / "logs"
     for rank_env in ranks:
         out = logs / f"rank{rank_env['RANK']}.out"
         pid = os.fork()
         if pid == 0:
-            run_child(rank_env, run_dir, entry, parent, (out, out), len(ranks))
+            run_child(rank_env, run_dir, entry, parent, (out, out), len(ranks), cluster)
         children[pid] = int(rank_env["RANK"])
-    _place(cluster_of(run_dir), os.environ, run_dir, len(ranks))  # rank 0, once its children have the task's CPUs
+    _place(cluster, os.environ, run_dir, len(ranks))  # rank 0, once its children have the task's CPUs
     return Supervisor(children, run_dir)
 
 
