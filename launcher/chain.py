@@ -26,6 +26,7 @@ import shlex
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from launcher import allocation
 from launcher.snapshot import Frozen
 from slurm import query, sbatch
 from spec.config import ConfigError, RunConfig
@@ -42,11 +43,10 @@ def check(cfg: RunConfig) -> None:
     if cfg.cluster.backend != "slurm":
         raise ConfigError(f"launcher.then={list(then)}: chains are Slurm jobs; use a Slurm profile (+cluster=...) "
                           "or run the steps by hand after a local run")
-    from launcher.allocation import in_use
-
-    if in_use(cfg):
+    held = allocation.in_use(cfg)
+    if held:
         raise ConfigError(f"launcher.then={list(then)}: a chain waits on the training's own job, and inside "
-                          f"allocation {in_use(cfg)} there is none; drop launcher.then or use cluster.allocation=never")
+                          f"allocation {held} there is none; drop launcher.then or use cluster.allocation=never")
     if cfg.launcher.then_dependency not in ("afterok", "afterany"):
         raise ConfigError(f"launcher.then_dependency={cfg.launcher.then_dependency!r} is not afterok or afterany")
     for i, item in enumerate(then):
