@@ -84,8 +84,10 @@ def test_a_rank_killed_in_one_task_a_rank_mode_is_ended_by_srun(tmp_path, slurm_
     assert restart["srun_error"].endswith(": task 1: Exited with exit code 137") and restart["exit_code"] == 137
 
 
+# Each rank's heartbeat (its host) is written once a heartbeat interval (cluster.hang_timeout_s / 60:
+# 1 s), the first one interval after its start: the steps last 4 s, so every rank has written one.
 TP = ["+cluster=localslurm", "cluster.nodes=2", "+strategy=tp", "train.steps=4", "train.seq_len=32",
-      "data.num_tokens=20000"]
+      "data.num_tokens=20000", "cluster.hang_timeout_s=60", "fault.step_delay_s=1.0"]
 
 
 def test_a_cyclic_distribution_keeps_tensor_parallel_inside_a_node_or_is_refused(tmp_path, slurm_cluster):
