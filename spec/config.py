@@ -20,7 +20,9 @@ from typing import Any, Dict, List, Optional
 
 # Sections that live in their own modules (re-exported here).
 from spec.cluster import ClusterConfig
+from spec.config_eval import EvalConfig
 from spec.config_model import ModelConfig, RopeScaling  # noqa: F401
+from spec.config_peft import PeftConfig
 from spec.config_ops import (CheckpointConfig, FaultConfig, LauncherConfig, ProfileConfig,  # noqa: F401
                              TrackingConfig, WandbConfig)
 
@@ -69,6 +71,9 @@ class StrategyConfig:
     # ("highest"), e.g. for mixed_precision=fp32 runs compared bit for bit. Under bf16 it
     # touches only what stays fp32. CPU runs are IEEE fp32 either way.
     tf32: bool = True
+    # Context parallel: each sequence split over this many ranks of the data-parallel
+    # dimension (docs/finetune.md "Long sequences"); 1 = off.
+    cp: int = 1
 
 
 @dataclass
@@ -189,6 +194,8 @@ class RunConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 GROUPS = ("cluster", "model", "strategy")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spec.config import ModelConfig
+from spec.config import ConfigError, ModelConfig
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
@@ -77,3 +77,22 @@ def largest_module_params(cfg: ModelConfig) -> int:
     DeepSpeed ZeRO-3 gathers at once, and DeepSpeed's estimators call the largest layer."""
     b = param_breakdown(cfg)
     return max(b.embedding, b.head, cfg.dim * ffn_hidden_dim(cfg), cfg.dim * cfg.n_heads * head_dim(cfg))
+
+
+def check_model(m: ModelConfig) -> None:
+    """The model section's own consistency (heads, widths, RoPE): ConfigError in one line."""
+    if m.head_dim is None and m.dim % m.n_heads:
+        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "
+                          "pick n_heads dividing dim (or set model.head_dim)")
+    if m.head_dim is not None and m.head_dim <= 0:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be positive; give the head width or null for dim/n_heads")
+    if head_dim(m) % 2:
+        raise ConfigError(f"model head dim {head_dim(m)} (model.head_dim, else model.dim={m.dim} / "
+                          f"model.n_heads={m.n_heads}) must be even for RoPE; pick an even head width")
+    if m.qkv_bias and m.qk_norm:
+        raise ConfigError("model.qkv_bias=true with model.qk_norm=true is no Hugging Face architecture (Qwen2 has "
+                          "the biases, Qwen3 the norms); set one of them to false")
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % kv:
+        raise ConfigError(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}; "
+                          f"pick a divisor of {m.n_heads} (or null for {m.n_heads})")

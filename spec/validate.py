@@ -12,7 +12,7 @@ from typing import Any
 
 from spec.ac_modes import NAMES
 from spec.config import ConfigError, RunConfig
-from spec.model_size import head_dim
+from spec.model_size import check_model
 from spec.schedule import check_length
 
 _CHOICES = {
@@ -372,22 +372,8 @@ def validate(cfg: RunConfig, strings: bool = True) -> None:
     _check_resources(cfg)
     _check_profile(cfg)
     check_length(cfg)
+    check_model(cfg.model)
     m = cfg.model
-    if m.head_dim is None and m.dim % m.n_heads:
-        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "
-                          "pick n_heads dividing dim (or set model.head_dim)")
-    if m.head_dim is not None and m.head_dim <= 0:
-        raise ConfigError(f"model.head_dim={m.head_dim} must be positive; give the head width or null for dim/n_heads")
-    if head_dim(m) % 2:
-        raise ConfigError(f"model head dim {head_dim(m)} (model.head_dim, else model.dim={m.dim} / "
-                          f"model.n_heads={m.n_heads}) must be even for RoPE; pick an even head width")
-    if m.qkv_bias and m.qk_norm:
-        raise ConfigError("model.qkv_bias=true with model.qk_norm=true is no Hugging Face architecture (Qwen2 has "
-                          "the biases, Qwen3 the norms); set one of them to false")
-    kv = m.n_kv_heads or m.n_heads
-    if m.n_heads % kv:
-        raise ConfigError(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}; "
-                          f"pick a divisor of {m.n_heads} (or null for {m.n_heads})")
     if cfg.train.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                           f"use train.seq_len<={m.max_seq_len}")
