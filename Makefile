@@ -20,7 +20,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip >/dev/null
-	$(BIN)/python -m pip install -q -c constraints-cpu.txt --config-settings editable_mode=compat -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints-cpu.txt --config-settings editable_mode=compat -e '.[dev,eval]'
 	touch $(STAMP)
 
 ## demo: train the tiny model with DDP on 2 local ranks (no Slurm) and print a summary
@@ -78,7 +78,7 @@ test-torch-floor: $(FLOOR_STAMP)
 $(FLOOR_STAMP): pyproject.toml constraints-floor.txt
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip >/dev/null
-	$(FLOOR_VENV)/bin/python -m pip install -q -c constraints-floor.txt --config-settings editable_mode=compat -e '.[dev]'
+	$(FLOOR_VENV)/bin/python -m pip install -q -c constraints-floor.txt --config-settings editable_mode=compat -e '.[dev,eval]'
 	$(FLOOR_VENV)/bin/python -c "import torch; from train.torch_compat import FLOOR, torch_version; \
 	  assert torch_version() == FLOOR, f'{torch.__version__} installed, floor {FLOOR}'"
 	touch $@
