@@ -1,7 +1,9 @@
-"""``python -m launcher.export RUN_DIR OUT_DIR [--dtype bfloat16] [--max-shard-size BYTES]``
+"""``python -m launcher.export RUN_DIR OUT_DIR [--dtype bfloat16] [--max-shard-size BYTES] [--merge]``
 
 Writes the run's newest committed checkpoint (any strategy, any sharding, DeepSpeed's
-included) as a Hugging Face Llama directory that ``transformers`` loads. The run
+included) as a Hugging Face Llama directory that ``transformers`` loads; a LoRA run's
+(``+peft=lora``) as a PEFT adapter directory (``PeftModel.from_pretrained`` loads it onto
+the base), or with ``--merge`` as the base with the adapters merged. The run
 directory is checked here (no torch on the login side); the conversion runs in
 :mod:`train.export`, on the CPU, one shard of tensors in memory at a time.
 """
@@ -19,7 +21,7 @@ def main(argv=None) -> int:
     positional = [a for a in argv if not a.startswith("-")]
     if "-h" not in argv and "--help" not in argv:
         if len(positional) < 2:
-            print("error: usage: python -m launcher.export RUN_DIR OUT_DIR [--dtype bfloat16]", file=sys.stderr)
+            print("error: usage: python -m launcher.export RUN_DIR OUT_DIR [--dtype bfloat16] [--merge]", file=sys.stderr)
             return 2
         run_dir = Path(positional[0])
         if not (run_dir / CONFIG).is_file():

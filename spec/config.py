@@ -198,7 +198,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-GROUPS = ("cluster", "model", "strategy")
+GROUPS = ("cluster", "model", "strategy", "peft")
 
 def read_json_in(directory: Path, name: str, field: str, fix: str) -> Dict[str, Any]:
     """``directory/name`` as JSON, or a ConfigError naming ``field`` and the ``fix``."""

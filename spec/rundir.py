@@ -275,13 +275,16 @@ def read_metrics(run_dir: str | Path) -> List[MetricsRow]:
 def run_shape(cfg: Any, layout: Any) -> Dict[str, Any]:
     """The shape of a run (``cfg``: RunConfig, ``layout``: spec.layout.Layout), what each
     checkpoint's manifest records of the run that saved it (``shape``) and what
-    ``launcher.resume`` compares and records (``reshaped`` in run.json)."""
+    ``launcher.resume`` compares and records (``reshaped`` in run.json); a LoRA run's
+    also names the base its adapters belong to (:func:`spec.peft.base_identity`)."""
+    from spec.peft import base_identity
+
     t, s = cfg.train, cfg.strategy
     return {"nodes": layout.nodes, "gpus_per_node": layout.gpus_per_node, "world_size": layout.world_size,
             "strategy": s.name, "engine": s.engine, "zero_stage": s.zero_stage, "dp": layout.dp,
             "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp, "pp": layout.pp,
             "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
-            "global_batch": t.micro_batch_size * t.grad_accum * layout.dp}
+            "global_batch": t.micro_batch_size * t.grad_accum * layout.dp, **base_identity(cfg)}
 
 
 def latest_checkpoint(run_dir: str | Path) -> Optional[Dict[str, Any]]:

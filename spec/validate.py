@@ -13,6 +13,7 @@ from typing import Any
 from spec.ac_modes import NAMES
 from spec.config import ConfigError, RunConfig
 from spec.model_size import check_model
+from spec.peft import check_peft
 from spec.schedule import check_length
 
 _CHOICES = {
@@ -373,6 +374,7 @@ def validate(cfg: RunConfig, strings: bool = True) -> None:
     _check_profile(cfg)
     check_length(cfg)
     check_model(cfg.model)
+    check_peft(cfg)
     m = cfg.model
     if cfg.train.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "

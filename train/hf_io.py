@@ -77,12 +77,16 @@ def _shards(names: List[str], sizes: Dict[str, int], limit: int) -> List[List[st
 
 def export(ckpt: Path, model: ModelConfig, out: Path, dtype: torch.dtype = torch.float32,
            max_shard_bytes: int = 5 * 10**9, tokenizer: Optional[Path] = None,
-           eos_token_id: Optional[int] = None, bos_token_id: Optional[int] = None) -> List[Path]:
-    """Write ``ckpt`` (a committed step directory) as a Hugging Face model under ``out``."""
+           eos_token_id: Optional[int] = None, bos_token_id: Optional[int] = None,
+           source: Optional[Tuple[Dict[str, Tuple[Tuple[int, ...], torch.dtype]], Reader]] = None) -> List[Path]:
+    """Write ``ckpt`` (a committed step directory) as a Hugging Face model under ``out``;
+    ``source``: (shapes, reader) of the tensors instead of the checkpoint's (a LoRA run's
+    merged model: train.lora_io.merged_source)."""
     from safetensors.torch import save_file
 
-    native = (ckpt / "deepspeed").is_dir()
-    shapes, read = deepspeed_source(ckpt) if native else dcp_source(ckpt)
+    if source is None:
+        source = deepspeed_source(ckpt) if (ckpt / "deepspeed").is_dir() else dcp_source(ckpt)
+    shapes, read = source
     names = [n for n in shapes if not (model.tie_embeddings and n == "output.weight")]
     missing = sorted(set(hf_to_ours(model)) - set(names))
     if missing:

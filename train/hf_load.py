@@ -13,6 +13,7 @@ from typing import Iterable
 from torch import nn
 
 from spec.hf import hf_name
+from spec.peft import is_adapter
 
 
 def _source_name(ours: str, tied: bool) -> str:
@@ -39,7 +40,7 @@ def load_hf(parts: Iterable[nn.Module], path: str, tied: bool) -> int:
 
     count = 0
     for part in parts:
-        ours = get_model_state_dict(part)
+        ours = {k: v for k, v in get_model_state_dict(part).items() if not is_adapter(k)}  # LoRA's: not in it
         if tied and "tok_embeddings.weight" in ours:
             ours.pop("output.weight", None)  # the same Parameter: filled through the embedding
         theirs = {_source_name(name, tied): tensor for name, tensor in ours.items()}

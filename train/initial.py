@@ -32,7 +32,7 @@ def initial_std(cfg: ModelConfig, name: str) -> Optional[float]:
     0: a bias (q/k/v's in Qwen2), set to zeros."""
     if name.endswith("norm.weight"):
         return None
-    if name.endswith(".bias"):
+    if name.endswith((".bias", ".lora_B")):  # LoRA's B starts at zero (train/lora.py), as PEFT's
         return 0.0
     if name == "tok_embeddings.weight":
         return 1.0 if not cfg.tie_embeddings else 0.02
@@ -109,6 +109,12 @@ def fill_initial(out: torch.Tensor, cfg: ModelConfig, name: str, shape: tuple, s
     """Fill the 2-D ``out`` (the listed rows by the listed columns, in that order) with those
     elements of weight ``name``'s initial value seen as a matrix: only the blocks they
     overlap are drawn, one at a time (beside ``out``, one block is held)."""
+    if name.endswith(".lora_A"):
+        whole = lora_A_initial(_stream_key(name, seed), shape)
+        index = [torch.cat([torch.arange(lo, hi) for lo, hi in runs] or [torch.zeros(0, dtype=torch.long)])
+                 for runs in (rows, cols)]
+        out.copy_(whole[index[0]][:, index[1]])
+        return
     std = initial_std(cfg, name)
     if not std:
         out.fill_(1.0 if std is None else 0.0)
@@ -122,6 +128,15 @@ def fill_initial(out: torch.Tensor, cfg: ModelConfig, name: str, shape: tuple, s
             for at_r, in_r, nr in row_pieces:
                 for at_c, in_c, nc in col_pieces:
                     out[at_r:at_r + nr, at_c:at_c + nc].copy_(block[in_r:in_r + nr, in_c:in_c + nc])
+
+
+def lora_A_initial(key: int, shape: tuple) -> torch.Tensor:
+    """The whole initial A of a LoRA adapter (rank x in_features): uniform in
+    +-1/sqrt(in_features), PEFT's ``kaiming_uniform_(a=sqrt(5))``, from torch's generator
+    seeded by the weight's stream key. Small, so every rank draws it whole and keeps its part."""
+    gen = torch.Generator().manual_seed(key % (1 << 63))
+    bound = 1.0 / math.sqrt(shape[1])
+    return (torch.rand(tuple(shape), generator=gen, dtype=torch.float64) * 2 - 1).mul_(bound).float()
 
 
 def initial_tensor(cfg: ModelConfig, name: str, shape: tuple, seed: int,

@@ -8,7 +8,7 @@ every rank (and a single-process reference) gets the same weights and draws only
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from spec.config import ModelConfig, RopeScaling, RunConfig
 # Pure size arithmetic lives in spec/model_size.py so the torch-free planner shares it.
 from spec.model_size import count_params, ffn_hidden_dim, head_dim  # noqa: F401  (re-exported)
+from spec.peft import is_adapter
 from train.initial import fill_initial, local_runs
 from train.loss import chunked_head_loss, loss_chunk_tokens, loss_sum
 from train.packed_attention import Mask, document_attention, document_context
@@ -181,7 +182,8 @@ class Transformer(nn.Module):
         self.compile_loss = False
 
     @torch.no_grad()
-    def init_weights(self, seed: int, device: Optional[torch.device] = None) -> None:
+    def init_weights(self, seed: int, device: Optional[torch.device] = None,
+                     only: Optional[Callable[[str], bool]] = None) -> None:
         """Deterministic init (same on every rank); call after ``to_empty``.
 
         Each block of a weight draws from its own stream, keyed by ``seed`` and the weight's
@@ -189,8 +191,11 @@ class Transformer(nn.Module):
         holds only some modules, a sharded DTensor (FSDP, TP, 2-D) and an unsharded
         single-process model all get the very same values for the weights they hold
         (:func:`train.initial.initial_tensor`), each rank drawing only the blocks its part overlaps.
+        ``only``: the weights whose (clean) names it accepts, the others left as they are.
         """
         for name, param in self.named_parameters():
+            if only is not None and not only(clean_name(name)):
+                continue
             t = param.data
             device = device or t.device
             local = t.to_local() if isinstance(t, DTensor) else t
@@ -264,8 +269,8 @@ def materialise(parts: Iterable[nn.Module], seed: int, device: torch.device, hf_
     for part in parts:
         part.to_empty(device=device)
         _retie(part)
-        if hf_path:
-            part.init_buffers(device)
+        if hf_path:  # LoRA's adapters are not in the checkpoint: their initial values
+            part.init_weights(seed, device, only=is_adapter)
         else:
             part.init_weights(seed, device)
     if hf_path:

@@ -21,6 +21,7 @@ from spec.config import RunConfig
 from spec.layout import Layout
 from spec.support import check_supported
 from train.harness.dist import DistContext
+from train.lora import prepare_peft
 from train.mesh import build_mesh
 from train.model import Transformer
 from train.strategies import get_builder
@@ -79,7 +80,8 @@ def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistCon
     refuse_unsupported_compile(cfg, layout)
 
     def prepare(part: Transformer) -> None:
-        """Steps 1-3 on the whole model, or on one pipeline stage."""
+        """Steps 1-3 on the whole model, or on one pipeline stage (LoRA's adapters first)."""
+        prepare_peft(part, cfg)
         if layout.tp_enabled:
             apply_tp(part, builder.mesh["tp"], vocab_parallel=vocab_parallel)
         apply_activation_checkpointing(part, cfg.strategy.activation_checkpointing)

@@ -48,6 +48,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch.distributed as dist
 
+from spec.peft import check_same_base
 from train.checkpoint.async_save import AsyncSaver
 from train.checkpoint.backend import backend_for
 from train.checkpoint.deepspeed_io import universal_dir
@@ -276,6 +277,7 @@ class Checkpointer:
             reason = agreed_reason(verify(ckpt, self.rank, world, self.backend.summed_on_load, found), self.rank,
                                    world)  # the lowest rank's, as every rank's own check of its files says
             if reason is None:
+                check_same_base(found.shape, self.shape, str(ckpt))  # LoRA: the adapters' base is this run's
                 reason = self.backend.load(engine, ckpt, found)
                 self.engine_dirty |= reason is not None and self.backend.loads_in_place
             if reason is None:

@@ -191,12 +191,15 @@ class DeviceMemory:
         return peak_reserved_bytes(self.device)
 
 
-def state_dict_options():
+def state_dict_options(module: Optional[nn.Module] = None):
     """Optimizer state flattened: keyed by parameter name, so a pipeline stage, a whole
-    model and any sharding of it ask for the same keys (a resume may change the layout)."""
+    model and any sharding of it ask for the same keys (a resume may change the layout).
+    Frozen parameters (LoRA's base) left out where ``module`` has any: a checkpoint holds
+    the adapters and their optimizer state, the base is reloaded (not strict then)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(flatten_optimizer_state_dict=True)
+    frozen = module is not None and any(not p.requires_grad for p in module.parameters())
+    return StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=frozen, strict=not frozen)
 
 
 def with_own_hyperparameters(loaded: Dict[str, Any], own: Dict[str, Any]) -> Dict[str, Any]:
@@ -216,15 +219,16 @@ class DCPState(DeviceMemory):
     def state_dict(self) -> Dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model, optim = get_state_dict(self.module, self.optimizer, options=state_dict_options())
+        model, optim = get_state_dict(self.module, self.optimizer, options=state_dict_options(self.module))
         return {"model": model, "optim": optim}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        _, own = get_state_dict(self.module, self.optimizer, options=state_dict_options())
+        options = state_dict_options(self.module)
+        _, own = get_state_dict(self.module, self.optimizer, options=options)
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=with_own_hyperparameters(state["optim"], own), options=state_dict_options())
+                       optim_state_dict=with_own_hyperparameters(state["optim"], own), options=options)
 
 
 class TorchEngine(DCPState):

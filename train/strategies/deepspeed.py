@@ -61,6 +61,9 @@ class DeepSpeedEngine(DeviceMemory):
         self.model_parts, self.optimizers = [ds.module], [ds.optimizer]
         self.device = device
         self.stage = ds.zero_optimization_stage()
+        # LoRA: the frozen base is not saved (the run reloads it: model.hf_path or its initial
+        # weights), so a load finds only the adapters in the module's state.
+        self.frozen = any(not p.requires_grad for p in ds.module.parameters())
 
     def save_native(self, path: Path) -> Dict[str, List[int]]:
         """DeepSpeed's files under ``path``, each summed as it is written and fsynced by this
@@ -69,11 +72,12 @@ class DeepSpeedEngine(DeviceMemory):
         from train.checkpoint.deepspeed_io import summed_files
 
         with summed_files(self.ds, path) as sums:
-            self.ds.save_checkpoint(str(path), tag="state", save_latest=False)
+            self.ds.save_checkpoint(str(path), tag="state", save_latest=False,
+                                    exclude_frozen_parameters=self.frozen)
         return sums
 
     def load_native(self, path: Path) -> None:
-        self.ds.load_checkpoint(str(path), tag="state")
+        self.ds.load_checkpoint(str(path), tag="state", load_module_strict=not self.frozen)
 
     def _grad_norm(self) -> torch.Tensor:
         """Norm of the all-reduced gradients before clipping: ZeRO reports it, stage 0 does not."""
@@ -241,11 +245,15 @@ def fill_partitioned(model: nn.Module, cfg, device: torch.device, hf_path) -> No
     ``_partition_param``), drawing only the blocks that hold it (:func:`train.initial.fill_flat`),
     or from the Hugging Face tensor's rows read lazily. No gather, no communication."""
     from spec.hf import hf_name, tensor_index
-    from train.initial import copy_flat, fill_flat
+    from train.initial import copy_flat, fill_flat, fill_initial
     from train.model import clean_name
 
     files = tensor_index(hf_path) if hf_path else {}
     for name, param in model.named_parameters():
+        if not hasattr(param, "ds_shape"):  # LoRA's adapters, added after the partitioned build: whole
+            fill_initial(param.data.view(param.shape[0], -1), cfg.model, clean_name(name), tuple(param.shape),
+                         cfg.train.seed, [(0, param.shape[0])], [(0, param[0].numel())])
+            continue
         ours, shape, part = clean_name(name), tuple(param.ds_shape), param.ds_tensor
         row = math.prod(shape[1:])
         start = part.ds_numel * param.ds_zero_partition_rank

@@ -1,0 +1,238 @@
+"""LoRA in the built-in trainer (``+peft=lora``), checked against PEFT itself.
+
+- the checks of ``peft.*``: one line naming the field, the value and the fix;
+- in one process: the base tensors bitwise unchanged by training, only the adapters in
+  the optimizer;
+- a 2-rank FSDP run (local backend) against PEFT's LoRA on the transformers Llama built
+  from the same base, over the same batches (fp32): the losses within 1e-5 at every step;
+  its checkpoint holds the adapters and their optimizer state only (its size); the
+  exported adapter directory loads with ``PeftModel.from_pretrained`` and gives our
+  logits; the ``--merge`` export gives the logits of the adapter applied.
+(2 nodes on the local Slurm cluster, FSDP and ZeRO-3, preempted and resumed:
+tests/test_lora_slurm.py, with the same reference.)
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import warm
+from conftest import REPO
+from helpers import compose_run
+from spec.config import ConfigError, RunConfig, to_run_config
+from spec.hf import our_shapes
+from spec.peft import check_peft, check_same_base, base_identity, target_names
+from spec.rundir import read_metrics
+from warm import launcher
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+LORA = ["+peft=lora", "peft.rank=4", "peft.alpha=8", "train.seq_len=32", "data.num_tokens=50000",
+        "checkpoint.save_final=true"]
+
+
+# ---- the reference: PEFT on transformers' Llama, built from the run's base ----
+
+def base_hf_dir(cfg: RunConfig, out: Path) -> Path:
+    """The run's frozen base as a Hugging Face directory (model.hf_path's, or its initial weights)."""
+    from train.hf_io import export
+    from train.lora_io import base_source
+
+    if cfg.model.hf_path:
+        return Path(cfg.model.hf_path)
+    export(Path("unused"), cfg.model, out, source=base_source(cfg))
+    return out
+
+
+def peft_model(cfg: RunConfig, base: Path):
+    """PEFT's LoRA of the run's config on the base, A as our trainer starts it, B zeros."""
+    from train.initial import initial_tensor
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    lora = peft.LoraConfig(r=cfg.peft.rank, lora_alpha=cfg.peft.alpha, lora_dropout=cfg.peft.dropout,
+                           target_modules=target_names(cfg), task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, lora)
+    ours = {"q_proj": "attention.wq", "k_proj": "attention.wk", "v_proj": "attention.wv", "o_proj": "attention.wo",
+            "gate_proj": "feed_forward.w1", "up_proj": "feed_forward.w3", "down_proj": "feed_forward.w2"}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name:
+                layer, module = name.split(".layers.")[1].split(".")[0], name.split(".lora_A.")[0].rsplit(".", 1)[1]
+                p.copy_(initial_tensor(cfg.model, f"layers.{layer}.{ours[module]}.lora_A", tuple(p.shape),
+                                       cfg.train.seed))
+    return model
+
+
+def peft_losses(run_dir: Path, scratch: Path, steps: int) -> list:
+    """The losses of PEFT's LoRA trained as the run was (its learning rate at each step, its
+    AdamW, clipping and global batches: each step's samples of every rank in one batch)."""
+    from train.data.chat_loader import build_loader
+
+    cfg = to_run_config(run_dir / "config.yaml")
+    rows = {r["step"]: r for r in read_metrics(run_dir)}
+    model = peft_model(cfg, base_hf_dir(cfg, scratch / "base"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optim
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    whole = copy.deepcopy(cfg)
+    whole.train.micro_batch_size *= rows[1]["global_batch_size"] // (cfg.train.micro_batch_size * cfg.train.grad_accum)
+    loader = build_loader(whole, 0, 1)
+    losses = []
+    for step in range(1, steps + 1):
+        inputs, targets = (torch.cat(t) for t in zip(*loader.next_step()))
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        if o.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = rows[step]["lr"]
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_losses_as_peft(run_dir: Path, scratch: Path, steps: int) -> None:
+    got = {r["step"]: r["loss"] for r in read_metrics(run_dir)}  # a resumed run: the latest segment's
+    want = peft_losses(run_dir, scratch, steps)
+    assert sorted(got) == list(range(1, steps + 1)), sorted(got)
+    diffs = [abs(got[s + 1] - w) for s, w in enumerate(want)]
+    assert max(diffs) < 1e-5, list(zip([got[s] for s in sorted(got)], want))
+    assert abs(want[-1] - want[0]) > 1e-3  # the adapters trained: the comparison means something
+
+
+def ours_from_checkpoint(run_dir: Path):
+    """Our model with the run's base and the adapters of its newest checkpoint."""
+    from train.checkpoint.manifest import find_latest
+    from train.lora import prepare_peft
+    from train.lora_io import checkpoint_source
+    from train.model import build_model, materialise
+
+    cfg = to_run_config(run_dir / "config.yaml")
+    model = build_model(cfg.model)
+    prepare_peft(model, cfg)
+    materialise([model], cfg.train.seed, torch.device("cpu"), cfg.model.hf_path)
+    shapes, read = checkpoint_source(find_latest(run_dir / "checkpoints", print))
+    missing, unexpected = model.load_state_dict(read(list(shapes)), strict=False)
+    assert not unexpected and all(not k.endswith(("lora_A", "lora_B")) for k in missing)
+    return model.eval()
+
+
+def export(run_dir: Path, out: Path, *extra: str) -> None:
+    proc = warm.run_module("launcher.export", [str(run_dir), str(out), *extra], cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def assert_exports_load_in_peft(run_dir: Path, scratch: Path) -> None:
+    """The adapter directory loads in PEFT with our logits; the merged model gives the same."""
+    cfg = to_run_config(run_dir / "config.yaml")
+    export(run_dir, scratch / "adapter")
+    export(run_dir, scratch / "merged", "--merge")
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_hf_dir(cfg, scratch / "base0"))
+    theirs = peft.PeftModel.from_pretrained(base, scratch / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(scratch / "merged").eval()
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want, got, whole = theirs(input_ids=tokens).logits, ours_from_checkpoint(run_dir)(tokens), merged(tokens).logits
+    assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
+    assert torch.allclose(whole, want, rtol=0, atol=1e-5), (whole - want).abs().max()
+    with torch.no_grad(), theirs.disable_adapter():
+        bare = theirs(input_ids=tokens).logits
+    assert not torch.allclose(bare, want, atol=1e-4)  # the adapter moved the logits
+
+
+# ---- the tests ----
+
+def _refused(overrides: list, *expected: str) -> None:
+    cfg = compose_run(overrides)
+    with pytest.raises(ConfigError) as err:
+        check_peft(cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and all(e in msg for e in expected), msg
+
+
+def test_peft_settings_are_checked_in_one_line():
+    _refused(["peft.method=qlora"], "peft.method='qlora'", "+peft=lora")
+    _refused(["+peft=lora", "peft.rank=0"], "peft.rank=0", "at least 1")
+    _refused(["+peft=lora", "peft.target_modules=[q_proj,lm_head]"], "'lm_head'", "q_proj, k_proj")
+    _refused(["+peft=lora", "+strategy=pp"], "strategy.pipeline_parallel=2", "strategy.pipeline_parallel=1")
+    _refused(["+peft=lora", "+strategy=tp"], "strategy.tensor_parallel=", "strategy.tensor_parallel=1")
+    cfg = compose_run(["+experiment=r1_distill_sft", "+peft=lora"])
+    check_peft(cfg)  # the recipe with LoRA composes and passes
+    assert (cfg.peft.method, cfg.peft.rank, cfg.strategy.zero_stage) == ("lora", 16, 3)
+    assert target_names(cfg) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_a_checkpoint_of_another_base_is_refused(tmp_path):
+    cfg = compose_run(["+peft=lora"])
+    own = base_identity(cfg)
+    check_same_base(own, own, "ckpt")
+    cfg.train.seed += 1
+    with pytest.raises(ConfigError, match=r"^checkpoint ckpt holds a LoRA adapter of base initial weights of seed 0"):
+        check_same_base(own, base_identity(cfg), "ckpt")
+    with pytest.raises(ConfigError, match="this run's base is no LoRA"):
+        check_same_base(own, {}, "ckpt")
+    check_same_base({}, {}, "ckpt")  # neither is LoRA
+
+
+def test_base_stays_bitwise_and_only_adapters_train():
+    from train.lora import prepare_peft
+    from train.model import build_model, materialise
+    from train.strategies.base import TorchEngine, build_adamw
+
+    cfg = compose_run(["+peft=lora", "peft.rank=4", "peft.dropout=0.1"])
+    model = build_model(cfg.model)
+    prepare_peft(model, cfg)
+    materialise([model], 0, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = TorchEngine(model, build_adamw(model, cfg.optim, torch.device("cpu")), cfg, torch.device("cpu"))
+    adapters = {n for n in before if n.endswith(("lora_A", "lora_B"))}
+    assert len(adapters) == 2 * 7 * cfg.model.n_layers
+    in_optimizer = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+    assert in_optimizer == {id(p) for n, p in model.named_parameters() if n in adapters}
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=gen)
+        engine.train_step([(tokens[:, :-1], tokens[:, 1:])], lr=1e-2)
+    for name, p in model.named_parameters():
+        if name in adapters:
+            assert not torch.equal(p, before[name]), name
+        else:
+            assert torch.equal(p, before[name]) and p.grad is None, name
+
+
+@pytest.mark.slow
+def test_fsdp_lora_trains_as_peft_and_exports_for_it(tmp_path):
+    run = tmp_path / "run"
+    proc = launcher(["+strategy=fsdp", *LORA, "train.steps=8", f"launcher.run_dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert_losses_as_peft(run, tmp_path, 8)
+    assert_exports_load_in_peft(run, tmp_path)
+    ckpt = next((run / "checkpoints").glob("step_*"))
+    cfg = to_run_config(run / "config.yaml")
+    shapes = our_shapes(cfg.model)
+    targets = [n for n in shapes if n.startswith("layers.") and n.endswith(("wq.weight", "wk.weight", "wv.weight",
+                                                                            "wo.weight", "w1.weight", "w2.weight",
+                                                                            "w3.weight"))]
+    adapter = sum(cfg.peft.rank * (shapes[n][0] + shapes[n][1]) for n in targets)  # A: r x in, B: out x r
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(str(ckpt / "dcp")).read_metadata()
+    tensors = {k: math.prod(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    names = [f"{n[:-len('.weight')]}.{m}" for n in targets for m in ("lora_A", "lora_B")]
+    assert set(tensors) == {f"app.model.{n}" for n in names} | {
+        f"app.optim.state.{n}.{s}" for n in names for s in ("exp_avg", "exp_avg_sq", "step")}
+    assert sum(tensors.values()) == 3 * adapter + len(names)  # A, B and Adam's two moments (+ its step counts)
+    # On disk: those fp32 values and DCP's own bytes per stored item (a few hundred items
+    # here: the hyperparameters of each adapter, pickled), never the base (fp32: base * 4).
+    saved = sum(f.stat().st_size for f in (ckpt / "dcp").glob("*.distcp"))
+    assert 12 * adapter < saved < 12 * adapter + 2048 * len(md.storage_data), (saved, adapter, len(md.storage_data))
+    keys = json.loads((ckpt / "COMMITTED").read_text())["shape"]["adapter_base"]
+    assert keys["hf_path"] is None and keys["seed"] == cfg.train.seed
