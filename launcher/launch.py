@@ -86,11 +86,14 @@ def config_yaml(cfg: RunConfig, cache: Dict[Tuple[str, str], str]) -> str:
 
 
 def rank_map(layout: Layout) -> str:
-    header = f"{'rank':>5} {'node':>5} {'local_rank':>10} {'pp':>3} {'dp':>3} {'dp_rep':>6} {'dp_shard':>8} {'tp':>3}"
+    cp = layout.cp > 1  # context parallel's column only where it splits sequences
+    header = (f"{'rank':>5} {'node':>5} {'local_rank':>10} {'pp':>3} {'dp':>3} {'dp_rep':>6} {'dp_shard':>8}"
+              + (f" {'cp':>3}" if cp else "") + f" {'tp':>3}")
     lines = [layout.describe(), header]
     for row in layout.rank_table():
         lines.append(f"{row['rank']:>5} {row['node']:>5} {row['local_rank']:>10} {row['pp']:>3} {row['dp']:>3} "
-                     f"{row['dp_replicate']:>6} {row['dp_shard']:>8} {row['tp']:>3}")
+                     f"{row['dp_replicate']:>6} {row['dp_shard']:>8}" + (f" {row['cp']:>3}" if cp else "")
+                     + f" {row['tp']:>3}")
     return "\n".join(lines)
 
 

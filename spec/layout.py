@@ -2,9 +2,11 @@
 
 Pure (no torch): the launcher checks a layout with this code before submitting and
 every task builds its mesh from the same value. The mesh axes are, outermost first,
-``(pp, dp_replicate, dp_shard, tp)``. Ranks are numbered node-major (rank =
-node * gpus_per_node + local_rank), so the innermost axis (tensor parallel) takes
-consecutive ranks: as long as tp divides gpus_per_node, a TP group never leaves a node.
+``(pp, dp_replicate, dp_shard, cp, tp)`` (torchtitan's order). Ranks are numbered
+node-major (rank = node * gpus_per_node + local_rank), so the innermost axis (tensor
+parallel) takes consecutive ranks: as long as tp divides gpus_per_node, a TP group never
+leaves a node; context parallel (``strategy.cp``, spec/context_parallel.py) comes next,
+inside the node while tp x cp fits in it, its all-to-alls on the NVLink domain.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 from spec.config import ConfigError, RunConfig
+from spec.context_parallel import check_context_parallel
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,8 @@ class Layout:
     nodes: int
     gpus_per_node: int
     nvlink_domain: int
+    #: Context parallel: ranks one sequence is split over (the same batch, slices of it).
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
@@ -36,8 +41,8 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def shape(self) -> Tuple[int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+    def shape(self) -> Tuple[int, int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @property
     def pp_enabled(self) -> bool:
@@ -46,6 +51,10 @@ class Layout:
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def dp_shard_enabled(self) -> bool:
@@ -70,6 +79,10 @@ class Layout:
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
+    def cp_rank(self, rank: int) -> int:
+        """Which slice of each sequence ``rank`` holds (0 .. cp-1)."""
+        return self.coords(rank)["cp"]
+
     def placement(self, rank: int) -> Tuple[int, int]:
         """(node index, local rank) of a global rank."""
         return divmod(rank, self.gpus_per_node)
@@ -88,7 +101,8 @@ class Layout:
 
     def describe(self) -> str:
         return (f"world {self.world_size} = {self.nodes} nodes x {self.gpus_per_node}/node = "
-                f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}")
+                f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard}"
+                + (f" x cp {self.cp}" if self.cp > 1 else "") + f" x tp {self.tp}")
 
 
 def _check_degrees(degrees: Dict[str, int]) -> None:
@@ -149,6 +163,10 @@ def build_layout(cfg: RunConfig) -> Layout:
     world = c.nodes * c.gpus_per_node
     raw = {"pipeline_parallel": s.pipeline_parallel, "dp_replicate": s.dp_replicate,
            "dp_shard": s.dp_shard, "tensor_parallel": s.tensor_parallel}
+    if s.cp != 1:  # a fixed degree (no -1): named in messages only where it is used
+        if s.cp < 1:
+            raise ConfigError(f"strategy.cp={s.cp} is invalid; use strategy.cp=1 (off) or a degree >= 2")
+        raw["cp"] = s.cp
     _check_degrees(raw)
     if s.tensor_parallel != -1:
         _check_tp(s.tensor_parallel, c.gpus_per_node, domain, c.name)  # the clearer message first
@@ -163,7 +181,8 @@ def build_layout(cfg: RunConfig) -> Layout:
                           "use +strategy=fsdp or strategy.dp_shard=1")
     layout = Layout(pp=degrees["pipeline_parallel"], dp_replicate=degrees["dp_replicate"],
                     dp_shard=degrees["dp_shard"], tp=tp, nodes=c.nodes, gpus_per_node=c.gpus_per_node,
-                    nvlink_domain=domain)
+                    nvlink_domain=domain, cp=degrees.get("cp", 1))
+    check_context_parallel(cfg, layout)
     m = cfg.model
     kv = m.n_kv_heads or m.n_heads
     if layout.tp > 1 and (m.n_heads % layout.tp or kv % layout.tp):

@@ -25,7 +25,8 @@ class Evaluator:
         self.every = cfg.train.eval_every
         self.loader: Optional[ShardedLoader] = None
         if self.every > 0:
-            self.loader = build_loader(cfg, layout.dp_rank(ctx.rank), layout.dp, split="val")
+            self.loader = build_loader(cfg, layout.dp_rank(ctx.rank), layout.dp, split="val",
+                                       cp_rank=layout.cp_rank(ctx.rank))
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based, just done) is followed by an evaluation."""
@@ -38,8 +39,7 @@ class Evaluator:
         for k in range(self.cfg.train.eval_batches):
             self.loader.load_state_dict({"step": k})
             batches = self.loader.next_step()
-            share = self.loader.step_targets / self.loader.dp_size
-            mine += engine.eval_loss(batches, share).double().cpu() / self.cfg.train.eval_batches
+            mine += engine.eval_loss(batches, self.loader.loss_share).double().cpu() / self.cfg.train.eval_batches
         local = mine.reshape(1).to(self.ctx.device)
         gathered = [torch.empty_like(local) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, local)

@@ -54,9 +54,9 @@ def train(task: Task, ckpt: Checkpointer) -> Status:
     cfg, layout, ctx, log = task.cfg, task.layout, task.ctx, task.log
     torch.manual_seed(cfg.train.seed)
     # markov data: rank 0..N race safely on a file lock to generate it
-    loader = build_loader(cfg, layout.dp_rank(ctx.rank), layout.dp)
+    loader = build_loader(cfg, layout.dp_rank(ctx.rank), layout.dp, cp_rank=layout.cp_rank(ctx.rank))
     coords = layout.coords(ctx.rank)
-    if cfg.fault.trace_samples and coords["tp"] == coords["pp"] == 0:  # one rank per data-parallel share
+    if cfg.fault.trace_samples and coords["tp"] == coords["pp"] == coords["cp"] == 0:  # one rank per data-parallel share
         loader.trace = task.run_dir / "logs" / f"samples_seg{task.segment}_rank{ctx.rank}.txt"
     # Made before the build: with profile.memory, CUDA's allocator history covers the build too
     # and an out-of-memory error while building is dumped as one in a step is.
@@ -270,7 +270,7 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         clock.begin()
         batches = loader.next_step()
         clock.data_ready()
-        loss, grad_norm = engine.train_step(batches, lr, loader.step_targets / loader.dp_size)  # train/loss.py
+        loss, grad_norm = engine.train_step(batches, lr, loader.loss_share)  # train/loss.py
         clock.computed()
         if step + 1 < cfg.train.steps:
             loader.prefetch()  # while the device runs the step (train/data/loader.py)

@@ -7,6 +7,10 @@ data-parallel rank (``ShardedLoader.step_targets / dp``), so that after the grad
 average over the data-parallel ranks the step's loss is the sum over every counted token
 of the global batch divided by their count: not a mean of micro-batch means, which
 would weigh a token of a short-answer micro-batch more than one of a long answer.
+Under context parallel (``strategy.cp``) a rank's micro-batch is a slice of each
+sequence, its sum that slice's, and the gradients are averaged over dp x cp ranks: the
+divisor is the step's count over dp x cp (``ShardedLoader.loss_share``), so the losses
+and gradients are those of the whole sequences.
 
 The head and the loss in chunks (:func:`chunked_head_loss`): at a 152k vocabulary a
 sequence of 32k tokens has 10-20 GB of logits. The final norm's output goes through the

@@ -19,6 +19,7 @@ from spec.config import ModelConfig, RopeScaling, RunConfig
 # Pure size arithmetic lives in spec/model_size.py so the torch-free planner shares it.
 from spec.model_size import count_params, ffn_hidden_dim, head_dim  # noqa: F401  (re-exported)
 from spec.peft import is_adapter
+from train.context_parallel import HeadSplit
 from train.initial import fill_initial, local_runs
 from train.loss import chunked_head_loss, loss_chunk_tokens, loss_sum
 from train.packed_attention import Mask, document_attention, document_context
@@ -92,6 +93,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # Context parallel's all-to-alls (train/context_parallel.py: x is this rank's slice of
+        # the sequence, attention runs over whole sequences of its heads); None: off.
+        self.head_split: Optional[HeadSplit] = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Optional[Mask] = None) -> torch.Tensor:
         """``mask``: packed sequences' documents (attention stays inside each); None: causal SDPA."""
@@ -99,13 +103,18 @@ class Attention(nn.Module):
         # -1 head counts: under tensor parallel each rank holds a slice of the heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.head_split is not None:  # RoPE and the mask are the whole sequence's
+            q, k, v = self.head_split.to_heads(q, k, v)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = causal_attention(q, k, v) if mask is None else document_attention(q, k, v, mask)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+        out = out.transpose(1, 2)
+        if self.head_split is not None:
+            out = self.head_split.to_sequence(out)
+        return self.wo(out.reshape(bsz, seq, -1))
 
 
 def fused_gqa(device_type: str, dtype: torch.dtype) -> bool:

@@ -20,6 +20,7 @@ from spec.ac_modes import ac_mode
 from spec.config import RunConfig
 from spec.layout import Layout
 from spec.support import check_supported
+from train.context_parallel import apply_cp
 from train.harness.dist import DistContext
 from train.lora import prepare_peft
 from train.mesh import build_mesh
@@ -84,6 +85,7 @@ def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistCon
         prepare_peft(part, cfg)
         if layout.tp_enabled:
             apply_tp(part, builder.mesh["tp"], vocab_parallel=vocab_parallel)
+        apply_cp(part, builder.mesh["cp"])  # context parallel's all-to-alls around attention
         apply_activation_checkpointing(part, cfg.strategy.activation_checkpointing)
         if cfg.strategy.compile:
             apply_compile(part)

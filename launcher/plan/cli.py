@@ -108,8 +108,8 @@ def to_json(cfg: RunConfig, layout: Layout, mem: Memory, time: Optional[StepTime
         "margin_bytes": mem.margin_bytes, "stage_params": mem.stage_params,
         "shard_degree": mem.shard_degree, "activation_checkpointing": cfg.strategy.activation_checkpointing,
         "activations_by_mode": mem.activations_by_mode, "engine": cfg.strategy.engine,
-        "zero_stage": cfg.strategy.zero_stage, "layout": dict(zip(("pp", "dp_replicate", "dp_shard", "tp"),
-                                                                  layout.shape)),
+        "zero_stage": cfg.strategy.zero_stage, "layout": {"pp": layout.pp, "dp_replicate": layout.dp_replicate,
+                                                        "dp_shard": layout.dp_shard, "cp": layout.cp, "tp": layout.tp},
         "notes": list(mem.notes),
     }
     if time is not None:

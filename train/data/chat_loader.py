@@ -45,14 +45,14 @@ class ChatLoader(ShardedLoader):
     unit = "conversations"
 
     def __init__(self, directory: Path, split: str, seq_len: int, micro_batch: int, grad_accum: int, dp_rank: int,
-                 dp_size: int, seed: int) -> None:
+                 dp_size: int, seed: int, cp_rank: int = 0, cp_size: int = 1) -> None:
         info = json.loads((Path(directory) / MANIFEST).read_text())
         tokens, mask, offsets = (Path(directory) / name for name in chat_files(split))
         self.offsets = np.fromfile(offsets, dtype=np.int64)
         self.mask = np.memmap(mask, dtype=np.uint8, mode="r") if self.offsets[-1] else np.zeros(0, np.uint8)
         self.pad_id = int(info["pad_id"])
         super().__init__(tokens, 0, seq_len, micro_batch, grad_accum, dp_rank, dp_size, seed,
-                         dtype=np.dtype(info["dtype"]))
+                         dtype=np.dtype(info["dtype"]), cp_rank=cp_rank, cp_size=cp_size)
         # Targets carrying loss per conversation (its mask past the first token, within seq_len + 1).
         ends = np.minimum(self.offsets[1:], self.offsets[:-1] + seq_len + 1)
         cum = np.concatenate([[0], np.cumsum(self.mask, dtype=np.int64)])
@@ -112,14 +112,17 @@ class PackedChatLoader(ChatLoader):
         return torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(positions)
 
 
-def build_loader(cfg: RunConfig, dp_rank: int, dp_size: int, split: str = "train") -> ShardedLoader:
-    """The loader of ``split`` (train | val) for data-parallel rank ``dp_rank``."""
+def build_loader(cfg: RunConfig, dp_rank: int, dp_size: int, split: str = "train",
+                 cp_rank: int = 0) -> ShardedLoader:
+    """The loader of ``split`` (train | val) for data-parallel rank ``dp_rank``, keeping cp
+    rank ``cp_rank``'s slice of each sequence (``strategy.cp``)."""
     t, d, vocab = cfg.train, cfg.data, cfg.model.vocab_size
+    cp = {"cp_rank": cp_rank, "cp_size": cfg.strategy.cp}
     if d.source == "chat":  # packed: the training split (the validation loss is the same unpacked)
         kind = PackedChatLoader if d.packing and split == "train" else ChatLoader
-        return kind(Path(d.path), split, t.seq_len, t.micro_batch_size, t.grad_accum, dp_rank, dp_size, d.seed)
+        return kind(Path(d.path), split, t.seq_len, t.micro_batch_size, t.grad_accum, dp_rank, dp_size, d.seed, **cp)
     path: Optional[Path] = token_file(d, vocab) if split == "train" else val_file(d, vocab)
     if path is None:
         raise ValueError(f"data.source={d.source} has no {split} split")
     return ShardedLoader(path, vocab, t.seq_len, t.micro_batch_size, t.grad_accum, dp_rank, dp_size, seed=d.seed,
-                         dtype=file_dtype(d, vocab))
+                         dtype=file_dtype(d, vocab), **cp)

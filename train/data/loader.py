@@ -19,6 +19,11 @@ With the same global batch every world size sees the same batches; resumed with 
 global batch, step ``s`` takes samples ``k .. k+G'-1`` (the step count goes on, the
 samples do not restart). A 2-rank run and a 1-rank run with the same global batch see
 identical data.
+
+Context parallel (``strategy.cp``, train/context_parallel.py): the cp ranks of one
+data-parallel rank read the same samples and each keeps its contiguous slice of every
+sequence's inputs and targets (``cp_rank``); packed data's positions stay whole, for
+RoPE and the document mask over the whole sequence after the all-to-all.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ import torch
 
 from spec.config import DataConfig
 from spec.data import MANIFEST, TRAIN_BIN, VAL_BIN
+from train.context_parallel import sequence_slice
 
 
 def _dtype(vocab_size: int) -> np.dtype:
@@ -130,7 +136,8 @@ class ShardedLoader:
     ``step id id ...`` lines (fault.trace_samples: tests count the samples of a run)."""
 
     def __init__(self, path: Path, vocab_size: int, seq_len: int, micro_batch: int, grad_accum: int,
-                 dp_rank: int, dp_size: int, seed: int, dtype: Optional[np.dtype] = None) -> None:
+                 dp_rank: int, dp_size: int, seed: int, dtype: Optional[np.dtype] = None,
+                 cp_rank: int = 0, cp_size: int = 1) -> None:
         self.tokens = np.memmap(path, dtype=dtype or _dtype(vocab_size), mode="r")
         self.seq_len = seq_len
         self.micro_batch = micro_batch
@@ -138,6 +145,7 @@ class ShardedLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.num_windows = self._num_samples()
         self.global_batch = micro_batch * grad_accum * dp_size
         if self.num_windows < self.global_batch:
@@ -158,6 +166,12 @@ class ShardedLoader:
 
     #: What one sample is, for messages.
     unit = "windows"
+
+    @property
+    def loss_share(self) -> float:
+        """What each micro-batch's loss sum is divided by (train/loss.py): the step's
+        counted targets over the ranks whose gradients are averaged, dp x cp."""
+        return self.step_targets / (self.dp_size * self.cp_size)
 
     def _num_samples(self) -> int:
         """Samples in an epoch: windows of seq_len tokens plus the next."""
@@ -206,6 +220,9 @@ class ShardedLoader:
 
     def _micro(self, ids: np.ndarray) -> list[tuple[torch.Tensor, ...]]:
         columns = self._rows(ids)  # (inputs, targets), packed chat data: and positions
+        if self.cp_size > 1:  # this cp rank's slice of inputs and targets; positions whole
+            part = sequence_slice(self.seq_len, self.cp_rank, self.cp_size)
+            columns = tuple(c[:, part] if i < 2 else c for i, c in enumerate(columns))
         micro = []
         for k in range(self.grad_accum):
             part = slice(k * self.micro_batch, (k + 1) * self.micro_batch)
