@@ -73,6 +73,22 @@ def _is_group(key: str, dirs: List[Path]) -> bool:
     return key in GROUPS or key in GLOBAL_GROUPS or any((d / key).is_dir() for d in dirs[1:])
 
 
+def chosen_by_global_group(group: str, parsed: List[Any], dirs: List[Path]) -> bool:
+    """Whether an appended global group's option (``+experiment=r1_distill_sft``) lists
+    ``group`` in its defaults: then ``group=value`` overrides that choice (Hydra's rule),
+    where ``+group=value`` would be a second value for it."""
+    import yaml
+
+    for o in parsed:
+        if o.key_or_group.lstrip("+") in GLOBAL_GROUPS and (o.is_add() or o.is_force_add()):
+            for d in dirs:
+                path = d / o.key_or_group.lstrip("+") / f"{o.get_value_element_as_str()}.yaml"
+                defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults", []) if path.is_file() else []
+                if any(isinstance(e, dict) and f"/{group}" in e for e in defaults):
+                    return True
+    return False
+
+
 def check_key(key: str) -> Optional[Tuple[Any, Any]]:
     """Raise ConfigError unless ``key`` (dotted) is a field of the schema. (the dataclass
     that declares it, its type hint), or None inside a free-form mapping."""
@@ -174,7 +190,7 @@ def check_overrides(args: List[str], multirun: bool) -> None:
         if o.is_sweep_override() and not multirun:
             raise ConfigError(f"{text} is a sweep; add -m (--multirun) to submit one job per value")
         if _is_group(key, dirs):
-            if not (o.is_add() or o.is_force_add()):
+            if not (o.is_add() or o.is_force_add() or chosen_by_global_group(key, parsed, dirs)):
                 raise ConfigError(f"{text}: group {key!r} is not in the defaults list; append it with +{text}")
             values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
             options = group_options(key, dirs)

@@ -131,8 +131,9 @@ def activation_bytes(cfg: RunConfig, layout: Layout, mode: str) -> float:
     m, s, t = cfg.model, cfg.strategy, cfg.train
     saved, flight, head, grad = activation_terms(cfg, layout, mode)
     e, n = compute_bytes(cfg), s.pp_microbatches
-    if layout.pp == 1:
-        return t.micro_batch_size * t.seq_len * (saved + flight + head + grad) + chunk_logits_bytes(cfg, layout, e)
+    if layout.pp == 1:  # context parallel: a rank holds seq_len / cp tokens of everything (train/context_parallel.py)
+        tokens = t.micro_batch_size * t.seq_len / layout.cp
+        return tokens * (saved + flight + head + grad) + chunk_logits_bytes(cfg, layout, e)
     step = t.micro_batch_size * t.grad_accum * t.seq_len
     micro = step / n
     hidden = step * (4 if uses_autocast(cfg) else e) * m.dim / layout.tp

@@ -10,7 +10,9 @@ tree are in docs/planner.md. In short, per optimizer step on one GPU:
     tp comm  = 4 all-reduces of the activations per block (+2 per recomputed block), and
                the logits gathered and their gradient scattered
     pp comm  = activations and their gradients once per microbatch to the next stage
-    step     = compute + bubble + exposed dp comm + tp comm + pp comm + offload traffic
+    cp comm  = context parallel's all-to-alls of q, k, v and the attention output per
+               block, forward and backward (+ a recomputed forward), not overlapped
+    step     = compute + bubble + exposed dp comm + tp comm + pp comm + cp comm + offload traffic
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from typing import Dict, List, Optional, Tuple
 
 from spec.config import ConfigError, RunConfig, StrategyConfig
 from spec.layout import Layout, build_layout
-from spec.model_size import flops_per_token
+from spec.context_parallel import kv_repeats
+from spec.model_size import flops_per_token, head_dim
 from spec.ac_modes import ac_mode
 from spec.support import check_supported
 from spec.validate import check_strings, validate
@@ -69,7 +72,7 @@ def link_gbps(cfg: RunConfig, layout: Layout, size: int, stride: int) -> float:
 def _dp_collectives(cfg: RunConfig, layout: Layout, psi: int, e: int) -> List[Tuple[float, int, int, bool]]:
     """(bytes each GPU sends, group size, stride, once per micro-step?) of the data-parallel
     collectives in one optimizer step."""
-    s, n, tp = cfg.strategy, layout.dp, layout.tp
+    s, n, tp = cfg.strategy, layout.dp * layout.cp, layout.tp  # cp ranks reduce gradients too
     if s.engine == "deepspeed":  # DeepSpeed communicates in the compute dtype
         rs, ag = all_gather_bytes(n, e * psi), all_gather_bytes(n, e * psi)
         if s.zero_stage == 0:
@@ -81,7 +84,7 @@ def _dp_collectives(cfg: RunConfig, layout: Layout, psi: int, e: int) -> List[Tu
         return [(2 * ag + rs, n, tp, True)]  # gather for forward and backward, reduce-scatter
     if s.data_parallel != "fsdp":  # DDP: fp32 gradients all-reduced once (no_sync before)
         return [(all_reduce_bytes(n, 4.0 * psi), n, tp, False)]
-    d, r = layout.dp_shard, layout.dp_replicate
+    d, r = layout.dp_shard * layout.cp, layout.dp_replicate
     gathers = 2 if s.reshard_after_forward else 1
     out = [(gathers * all_gather_bytes(d, e * psi) + all_gather_bytes(d, 4.0 * psi), d, tp, True)]
     if r > 1:  # HSDP: the reduce-scattered shard is all-reduced across replicas
@@ -102,6 +105,22 @@ class StepTime:
     tokens_per_step: int
     tokens_per_s: float
     mfu: float              # model FLOPs (no recompute) / (bf16 peak x GPUs)
+    cp_comm_s: float = 0.0  # context parallel's all-to-alls
+
+
+def cp_all_to_all_bytes(cfg: RunConfig, layout: Layout) -> float:
+    """Bytes each rank sends in one micro-step's context-parallel all-to-alls (train/context_parallel.py):
+    per block q, k, v (K/V heads repeated where cp exceeds them) and the attention output,
+    each (cp - 1) / cp of the rank's seq/cp tokens, in the forward, again in the backward
+    (their gradients) and in a recomputed forward. Whatever cp, about 2(q + kv) x tokens/cp."""
+    if layout.cp == 1:
+        return 0.0
+    m, t, cp = cfg.model, cfg.train, layout.cp
+    kv = m.n_kv_heads or m.n_heads
+    width = (2 * m.n_heads + 2 * kv * kv_repeats(kv, cp)) * head_dim(m)
+    tokens = t.micro_batch_size * t.seq_len / cp
+    passes = 2 + ac_mode(cfg.strategy.activation_checkpointing).share
+    return passes * m.n_layers * (cp - 1) / cp * tokens * width * compute_bytes(cfg)
 
 
 def step_time(cfg: RunConfig, layout: Layout, mfu: float = MFU) -> Optional[StepTime]:
@@ -115,7 +134,8 @@ def step_time(cfg: RunConfig, layout: Layout, mfu: float = MFU) -> Optional[Step
     fpt = flops_per_token(m, t.seq_len)
     ac = ac_mode(s.activation_checkpointing)
     # recomputation: one more forward (2 of the 6 N FLOPs) of every checkpointed block
-    compute = fpt * micro_tokens * t.grad_accum / (layout.tp * layout.pp) * (1 + ac.share / 3) / (peak * mfu)
+    compute = (fpt * micro_tokens * t.grad_accum / (layout.tp * layout.pp * layout.cp) * (1 + ac.share / 3)
+               / (peak * mfu))
     bubble = 0.0
     if layout.pp > 1:
         chunks = 2 if s.pp_schedule == "interleaved_1f1b" else 1
@@ -150,10 +170,13 @@ def step_time(cfg: RunConfig, layout: Layout, mfu: float = MFU) -> Optional[Step
         offload = (down + 1) * e * psi / n / (PCIE_GBPS * 1e9) + psi / n / CPU_ADAM_PARAMS_PER_S
         if s.offload_params:  # partitions fetched for forward and backward every micro-step
             offload += 2 * e * psi / n * t.grad_accum / (PCIE_GBPS * 1e9)
-    step = compute + bubble + exposed + tp_s + pp_s + offload
+    cp_s = cp_all_to_all_bytes(cfg, layout) * t.grad_accum / (link_gbps(cfg, layout, layout.cp, layout.tp) * 1e9) \
+        if layout.cp > 1 else 0.0
+    step = compute + bubble + exposed + tp_s + pp_s + cp_s + offload
     tokens = micro_tokens * t.grad_accum * layout.dp
     return StepTime(compute_s=compute, bubble_s=bubble, dp_comm_s=per_micro + per_step, exposed_dp_s=exposed,
                     tp_comm_s=tp_s, pp_comm_s=pp_s, offload_s=offload, step_s=step, tokens_per_step=tokens,
+                    cp_comm_s=cp_s,
                     tokens_per_s=tokens / step, mfu=fpt * tokens / step / (c.peak_tflops_bf16 * 1e12 * layout.world_size))
 
 

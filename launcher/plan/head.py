@@ -26,5 +26,5 @@ def loss_chunk(cfg: RunConfig, layout: Layout) -> int:
 def chunk_logits_bytes(cfg: RunConfig, layout: Layout, e: int) -> float:
     """Bytes of one chunk's logits at the backward's peak (0 when whole logits are counted per token)."""
     chunk = loss_chunk(cfg, layout)
-    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len / layout.cp  # a cp rank's slice
     return min(chunk, tokens) * (e + 8.0) * cfg.model.vocab_size if chunk else 0.0

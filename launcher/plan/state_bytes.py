@@ -88,8 +88,8 @@ def local_elements(param: Param, tp: int, shard: int) -> int:
 
 
 def shard_degree(cfg: RunConfig, layout: Layout) -> int:
-    """Ranks a torch engine shards each parameter over: dp_shard with FSDP2, else 1."""
-    return layout.dp_shard if cfg.strategy.data_parallel == "fsdp" else 1
+    """Ranks a torch engine shards each parameter over: dp_shard (x cp: train/mesh.py) with FSDP2, else 1."""
+    return layout.dp_shard * layout.cp if cfg.strategy.data_parallel == "fsdp" else 1
 
 
 def tensor_bytes(param: Param, keys: int, tp: int, shard: int) -> List[int]:

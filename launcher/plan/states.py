@@ -78,7 +78,7 @@ def _torch_states(cfg: RunConfig, layout: Layout, psi: int, block: int, root: in
         casts = e * psi if e < 4 else 0.0
         no_sync = 4.0 * psi if layout.pp > 1 and layout.dp > 1 and s.pp_microbatches > 1 else 0.0
         return 4.0 * psi, 4.0 * psi, ADAM * psi, casts + no_sync, 0.0, 1
-    d = layout.dp_shard
+    d = layout.dp_shard * layout.cp  # context parallel's ranks shard too (train/mesh.py)
     p, g, o = 4.0 * psi / d, 4.0 * psi / d, ADAM * psi / d
     # Live at the activation peak (start of backward): the root unit, which FSDP2 keeps
     # gathered from forward to backward, the last block and the prefetched one, and the

@@ -1,0 +1,80 @@
+"""The planner under context parallel (``strategy.cp``), pure (no torch): a rank's
+activations are its seq_len / cp tokens', FSDP's states shard over dp_shard x cp, and the
+step time adds the all-to-alls around attention; open-r1's recipe (docs/finetune.md, "Long
+sequences"): FSDP at cp 2 leaves room at 32k tokens, cp 4 runs 65k."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import compose_run
+from launcher.plan.costmodel import cp_all_to_all_bytes, step_time
+from launcher.plan.memory import estimate
+from spec.layout import build_layout
+
+GB = 1e9
+
+
+def recipe(cp: int, seq: int = 32768, *extra: str):
+    """The recipe under FSDP on one h100x8 node, its global batch of 128 kept (accumulation x cp)."""
+    cfg = compose_run(["+cluster=h100x8", "+experiment=r1_distill_sft", "strategy=fsdp", f"strategy.cp={cp}",
+                       f"train.grad_accum={8 * cp}", f"train.seq_len={seq}", f"model.max_seq_len={max(seq, 32768)}",
+                       *extra])
+    layout = build_layout(cfg)
+    return cfg, layout, estimate(cfg, layout), step_time(cfg, layout)
+
+
+def test_activations_divide_by_cp_and_states_shard_over_dp_and_cp():
+    _, _, one, _ = recipe(1)
+    cfg, layout, two, _ = recipe(2)
+    assert (layout.dp_shard, layout.cp, layout.dp) == (4, 2, 4)
+    assert cfg.train.micro_batch_size * cfg.train.grad_accum * layout.dp == 128  # the recipe's global batch
+    # the same 8-way sharding of params, grads and Adam; half the tokens a rank
+    assert (two.param_bytes, two.grad_bytes, two.optimizer_bytes) == (one.param_bytes, one.grad_bytes,
+                                                                      one.optimizer_bytes)
+    for mode, acts in one.activations_by_mode.items():
+        assert two.activations_by_mode[mode] == pytest.approx(acts / 2, rel=0.05), mode
+
+
+def test_the_all_to_all_volume_and_its_time():
+    cfg, layout, _, time = recipe(2)
+    m, t = cfg.model, cfg.train
+    # per block q (28 heads) and output (28), k and v (4 K/V heads) of 128 channels, bf16,
+    # half of the rank's 32768 tokens sent, forward + backward + the recomputed forward
+    per_layer = (28 + 28 + 4 + 4) * 128 * 2 * (2 * 32768 / 2) / 2
+    assert cp_all_to_all_bytes(cfg, layout) == pytest.approx(3 * m.n_layers * per_layer)
+    assert time.cp_comm_s == pytest.approx(cp_all_to_all_bytes(cfg, layout) * t.grad_accum
+                                           / (cfg.cluster.intra_node_gbps * 1e9))
+    assert time.step_s == pytest.approx(time.compute_s + time.exposed_dp_s + time.cp_comm_s)
+    _, _, _, four = recipe(4)
+    assert four.compute_s == pytest.approx(time.compute_s)  # the same tokens a GPU a step
+    assert time.cp_comm_s < four.cp_comm_s < 2 * time.cp_comm_s  # (cp-1)/cp of a volume that does not grow
+    # 4 K/V heads over cp 28 (a multiple): each repeated 7 times before the all-to-all
+    many = compose_run(["+cluster=h100x8", "+experiment=r1_distill_sft", "strategy=fsdp", "strategy.cp=28",
+                        "cluster.gpus_per_node=28", "cluster.nvlink_domain=28", "train.seq_len=28672"])
+    tokens = 2 * 28672 / 28
+    assert cp_all_to_all_bytes(many, build_layout(many)) == pytest.approx(
+        3 * m.n_layers * (28 + 28 + 2 * 4 * 7) * 128 * 2 * tokens * 27 / 28)
+
+
+def test_the_recipe_leaves_room_at_32k_and_runs_65k():
+    """The figures docs/finetune.md gives (GB per H100 of 80)."""
+    _, _, one, _ = recipe(1)
+    _, _, two, _ = recipe(2)
+    _, _, four_65k, _ = recipe(4, 65536)
+    _, _, one_65k, _ = recipe(1, 65536)
+    assert round(one.total_bytes / GB, 1) == 76.1 and one.fits
+    assert round(two.total_bytes / GB, 1) == 50.2 and two.fits
+    assert round(four_65k.total_bytes / GB, 1) == 50.2 and four_65k.fits
+    assert not one_65k.fits
+
+
+def test_a_recipe_s_strategy_is_overridden_without_a_plus():
+    """``+experiment=r1_distill_sft`` puts zero3 in the defaults list: ``strategy=fsdp``
+    overrides it (Hydra's rule; ``+strategy=fsdp`` would be a second value), where without
+    the recipe the group must still be appended."""
+    from launcher.overrides import check_overrides
+    from spec.config import ConfigError
+
+    check_overrides(["+experiment=r1_distill_sft", "strategy=fsdp", "strategy.cp=2"], multirun=False)
+    with pytest.raises(ConfigError, match=r"append it with \+strategy=fsdp"):
+        check_overrides(["strategy=fsdp", "strategy.cp=2"], multirun=False)
