@@ -27,13 +27,13 @@ from helpers import compose_run
 from spec.config import ConfigError, RunConfig, to_run_config
 from spec.hf import our_shapes
 from spec.peft import check_peft, check_same_base, base_identity, target_names
-from spec.rundir import read_metrics
+from spec.rundir import read_metrics, read_run_json
 from warm import launcher
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-LORA = ["+peft=lora", "peft.rank=4", "peft.alpha=8", "train.seq_len=32", "data.num_tokens=50000",
+LORA = ["+peft=lora", "peft.rank=4", "peft.alpha=8", "optim.lr=0.02", "train.seq_len=32", "data.num_tokens=50000",
         "checkpoint.save_final=true"]
 
 
@@ -210,12 +210,15 @@ def test_base_stays_bitwise_and_only_adapters_train():
 
 @pytest.mark.slow
 def test_fsdp_lora_trains_as_peft_and_exports_for_it(tmp_path):
+    """Fails at step 9 (its checkpoint of step 8), is checked, then resumed on 1 rank."""
     run = tmp_path / "run"
-    proc = launcher(["+strategy=fsdp", *LORA, "train.steps=8", f"launcher.run_dir={run}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = launcher(["+strategy=fsdp", *LORA, "train.steps=10", "checkpoint.every_steps=4", "fault.raise_at_step=9",
+                     f"launcher.run_dir={run}"], cwd=tmp_path)
+    assert proc.returncode != 0 and read_run_json(run)["status"] == "failed", proc.stdout + proc.stderr
     assert_losses_as_peft(run, tmp_path, 8)
     assert_exports_load_in_peft(run, tmp_path)
-    ckpt = next((run / "checkpoints").glob("step_*"))
+    ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
+    assert ckpt.name == "step_00000008"
     cfg = to_run_config(run / "config.yaml")
     shapes = our_shapes(cfg.model)
     targets = [n for n in shapes if n.startswith("layers.") and n.endswith(("wq.weight", "wk.weight", "wv.weight",
@@ -236,3 +239,10 @@ def test_fsdp_lora_trains_as_peft_and_exports_for_it(tmp_path):
     assert 12 * adapter < saved < 12 * adapter + 2048 * len(md.storage_data), (saved, adapter, len(md.storage_data))
     keys = json.loads((ckpt / "COMMITTED").read_text())["shape"]["adapter_base"]
     assert keys["hf_path"] is None and keys["seed"] == cfg.train.seed
+    # Resumed on 1 rank (the same global batch of 16): DCP reshards the adapters and their
+    # Adam moments, and two more steps go on as PEFT's do.
+    proc = warm.run_module("launcher.resume", [str(run), "cluster.gpus_per_node=1", "train.micro_batch_size=16",
+                                               "fault.raise_at_step=0"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert {r["world_size"] for r in read_metrics(run) if r["step"] > 8} == {1}
+    assert_losses_as_peft(run, tmp_path / "resumed", 10)

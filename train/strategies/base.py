@@ -67,7 +67,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
 
     decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
     other = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
+    # No empty group (LoRA's adapters are all matrices): torch's flattened optimizer state
+    # cannot be loaded back into an optimizer with one (set_state_dict: IndexError).
+    return [g for g in groups if g["params"]]
 
 
 def build_adamw(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:

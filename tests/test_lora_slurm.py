@@ -1,0 +1,40 @@
+"""LoRA on the real local Slurm cluster: FSDP and DeepSpeed ZeRO-3 on 2 nodes each (one
+rank a node, the two jobs side by side), preempted (USR2, Slurm's warning signal) after
+step 7, requeued and resumed from the adapters-only checkpoint. Each run's losses, the
+resumed steps included, equal (1e-5, fp32) those of PEFT's LoRA on the transformers Llama
+built from the same base, trained in this process over the same global batches
+(tests/test_lora.py's reference): so the resumed run ends where an uninterrupted one
+does. The ZeRO-3 run's exports (DeepSpeed's files) load in PEFT with its logits."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from conftest import submit_run, wait_until
+from spec.rundir import read_metrics, read_run_json
+from test_lora import LORA, assert_exports_load_in_peft, assert_losses_as_peft
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+STEPS = 12
+
+
+def test_lora_on_two_nodes_preempted_and_resumed_as_peft_trains(tmp_path, slurm_cluster):
+    env, runs = slurm_cluster, {}
+    for strategy in ("fsdp", "zero3"):
+        (tmp_path / strategy).mkdir()
+        runs[strategy] = submit_run(["+cluster=localslurm", "cluster.nodes=2", "cluster.gpus_per_node=1",
+                                     f"+strategy={strategy}", *LORA, f"train.steps={STEPS}",
+                                     "fault.step_delay_s=0.4"], tmp_path / strategy, env)
+    for strategy, (job, run_dir) in runs.items():
+        wait_until(lambda: len(read_metrics(run_dir)) >= 7, 240, f"7 steps of the {strategy} run")
+        subprocess.run(["scancel", "--signal=USR2", job], env=env, check=True)
+    for strategy, (job, run_dir) in runs.items():
+        wait_until(lambda: read_run_json(run_dir).get("status") in ("completed", "failed", "stopped"), 300,
+                   f"the {strategy} run")
+        info = read_run_json(run_dir)
+        assert (info["status"], info["preemptions"], info["segments"]) == ("completed", 1, 2), (strategy, info)
+        assert {r["segment"] for r in read_metrics(run_dir)} == {0, 1}
+        assert "resumed from step" in (run_dir / "logs" / "rank0.log").read_text()
+        assert_losses_as_peft(run_dir, tmp_path / strategy, STEPS)
+    assert_exports_load_in_peft(runs["zero3"][1], tmp_path / "zero3")
