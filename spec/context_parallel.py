@@ -14,10 +14,12 @@ What that takes, checked here before anything is submitted (pure: no torch):
 - the torch engine with a data-parallel wrapper (DDP or FSDP), which reduces the
   gradients over the cp ranks too; not DeepSpeed (its engine reduces over its own
   data-parallel group only), not pipeline parallel (its stages pass hidden states of
-  whole sequences), not tensor parallel (its sequence-parallel regions would need the
-  cp slice split again; heads split by TP then by cp is left for later), not
-  ``strategy.compile`` (the all-to-all's autograd function is not traced into a
-  fullgraph block).
+  whole sequences), not ``strategy.compile`` (the all-to-all's autograd function is not
+  traced into a fullgraph block).
+
+With tensor parallel the heads are split by TP first (each TP rank's column-parallel
+q/k/v hold n_heads/tp heads of the cp slice), then by cp over those: the conditions
+above apply to n_heads/tp and n_kv_heads/tp.
 """
 from __future__ import annotations
 
@@ -42,20 +44,19 @@ def check_context_parallel(cfg: RunConfig, layout) -> None:
     if layout.pp > 1:
         raise ConfigError(f"{name} with pipeline_parallel={layout.pp}: pipeline stages pass whole sequences; "
                           "use strategy.pipeline_parallel=1 or strategy.cp=1")
-    if layout.tp > 1:
-        raise ConfigError(f"{name} with tensor_parallel={layout.tp}: context parallel does not compose with "
-                          "tensor parallel yet; use strategy.tensor_parallel=1 (FSDP over dp x cp) or strategy.cp=1")
     if s.data_parallel not in ("ddp", "fsdp"):
         raise ConfigError(f"{name} with strategy.data_parallel={s.data_parallel}: the gradients must be reduced over "
                           "the cp ranks; use strategy.data_parallel=ddp or fsdp")
     if s.compile:
         raise ConfigError(f"{name} with strategy.compile=true: the all-to-all around attention is not compiled; "
                           "use strategy.compile=false")
-    if m.n_heads % cp or (kv % cp and cp % kv):
-        fits = [d for d in range(2, m.n_heads + 1) if m.n_heads % d == 0 and (kv % d == 0 or d % kv == 0)]
-        raise ConfigError(f"{name} must divide model.n_heads={m.n_heads} and divide (or be a multiple of) "
-                          f"model.n_kv_heads={kv}: each rank attends with n_heads/cp heads; use strategy.cp in "
-                          f"{fits or [1]}")
+    heads, kv_heads, tp = m.n_heads // layout.tp, kv // layout.tp, layout.tp  # TP split them first
+    if heads % cp or (kv_heads % cp and cp % kv_heads):
+        fits = [d for d in range(2, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+        per_tp = f" / tensor_parallel={tp}" if tp > 1 else ""
+        raise ConfigError(f"{name} must divide model.n_heads={m.n_heads}{per_tp} and divide (or be a multiple of) "
+                          f"model.n_kv_heads={kv}{per_tp}: each rank attends with n_heads/{'tp/' if tp > 1 else ''}cp "
+                          f"heads; use strategy.cp in {fits or [1]}")
     if cfg.train.seq_len % cp:
         raise ConfigError(f"{name} must divide train.seq_len={cfg.train.seq_len} (each rank holds seq_len/cp "
                           f"tokens); use a train.seq_len that is a multiple of {cp}")

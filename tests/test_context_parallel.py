@@ -5,9 +5,9 @@ builds it (train/parallelize.py) and fed by the trainer's loaders: the same glob
 of 4 sequences a step for 10 steps at cp 1 (DDP over 4), cp 2 (DDP 2 x cp 2), cp 4
 (DDP 1 x cp 4, two micro-batches accumulated) and FSDP dp_shard 2 x cp 2, on token data
 (causal attention), chat data (the loss mask; the head and loss in chunks of 8 tokens)
-and packed chat data (documents' masks and positions): the losses and grad norms of
-every split equal cp 1's within 1e-5 (fp32). cp 4 over 2 K/V heads repeats them (one a
-rank). The all-to-all itself against a reference permutation; the refusals.
+and packed chat data (documents' masks and positions), and FSDP x TP 2 x cp 2 on packed
+data: the losses and grad norms of every split equal cp 1's within 1e-5 (fp32). cp 4
+over 2 K/V heads repeats them (one a rank). The all-to-all itself against a reference permutation; the refusals.
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ SPLITS = {  # name: overrides; every one a global batch of 4 sequences
     "cp4": ["+strategy=ddp", "strategy.cp=4", "train.micro_batch_size=2", "train.grad_accum=2"],
     "fsdp2_cp2": ["+strategy=fsdp", "strategy.cp=2", "train.micro_batch_size=2"],
 }
+TP_CP = ["+strategy=fsdp_tp", "strategy.tensor_parallel=2", "strategy.cp=2", "train.micro_batch_size=2",
+         "train.grad_accum=2"]  # heads split by TP, then by cp
 DATA = {
     "tokens": ["train.seq_len=32", "data.num_tokens=20000"],
     "chat": ["data.source=chat", "train.seq_len=128", "model.vocab_size=384", "model.loss_chunk_tokens=8"],
@@ -90,6 +92,7 @@ def curves(tmp_path_factory, chat_dir):
             for kind, data in DATA.items() for split, over in SPLITS.items()}
     cfgs["tokens/cp4_kv2"] = compose_run(common + DATA["tokens"] + SPLITS["cp4"] + ["model.n_kv_heads=2"])
     cfgs["tokens/cp1_kv2"] = compose_run(common + DATA["tokens"] + SPLITS["cp1"] + ["model.n_kv_heads=2"])
+    cfgs["packed/tp2_cp2"] = compose_run(common + DATA["packed"] + TP_CP)
     proc = warm.call_ranks(train_splits, WORLD, (WORLD, free_port(), cfgs, str(tmp)), cwd=tmp, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp / f"{r}.json").read_text()) for r in range(WORLD)]
@@ -120,6 +123,13 @@ def test_each_rank_holds_its_slice_and_kv_heads_repeat(curves):
     np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], rtol=1e-5, atol=0)
 
 
+def test_tensor_parallel_then_cp_trains_as_whole_sequences(curves):
+    """FSDP x TP 2 x cp 2 on packed data: each rank attends with n_heads / 4 heads."""
+    ref, got = curves["packed"]["cp1"], curves["packed"]["tp2_cp2"]
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], rtol=1e-5, atol=0)
+
+
 def _refused(overrides: list) -> str:
     with pytest.raises(ConfigError) as err:
         build_layout(compose_run(["cluster.gpus_per_node=4", *overrides]))
@@ -131,7 +141,7 @@ def _refused(overrides: list) -> str:
 @pytest.mark.parametrize("overrides,says", [
     (["+strategy=pp", "strategy.cp=2"], "pipeline_parallel=2"),
     (["+strategy=zero3", "strategy.cp=2"], "strategy.engine=deepspeed"),
-    (["+strategy=fsdp_tp", "strategy.cp=2"], "tensor_parallel=2"),
+    (["+strategy=fsdp_tp", "strategy.cp=4", "cluster.gpus_per_node=8"], "model.n_heads=4 / tensor_parallel=2"),
     (["+strategy=fsdp", "strategy.cp=4", "model.n_heads=4", "model.n_kv_heads=2", "cluster.gpus_per_node=8"], None),
     (["+strategy=fsdp", "strategy.cp=3", "model.n_heads=6", "model.dim=48", "cluster.gpus_per_node=3",
       "train.seq_len=32"], "train.seq_len=32"),
@@ -193,30 +203,31 @@ def fake_world():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("strategy,cp", [("fsdp", 4), ("hsdp", 4), ("fsdp", 8), ("ddp", 2)])
+@pytest.mark.parametrize("strategy,cp", [("fsdp", 4), ("hsdp", 4), ("fsdp", 8), ("ddp", 2), ("fsdp_tp", 2)])
 def test_cp_groups_sit_inside_a_node_and_gradients_reduce_over_dp_and_cp(fake_world, strategy, cp):
     """128 ranks (16 nodes x 8) of llama3_8b (8 K/V heads), one rank per job built: the cp
-    group is consecutive ranks of one node; FSDP shards over dp_shard x cp (HSDP: inside
+    group is consecutive ranks of one node (every tp-th with TP innermost); FSDP shards over dp_shard x cp (HSDP: inside
     the node, replicated across), DDP averages over dp x cp."""
     from spec.layout import AXES
     from train.mesh import build_mesh, data_parallel_mesh, dp_mesh
 
     layout = build_layout(compose_run(["+model=llama3_8b", "cluster.nodes=16", "cluster.gpus_per_node=8",
                                        f"+strategy={strategy}", f"strategy.cp={cp}"]))
-    assert layout.cp == cp and layout.dp * cp == layout.world_size == 128
+    assert layout.cp == cp and layout.dp * cp * layout.tp == layout.world_size == 128
     for rank in (0, 77, 127):
         fake_world(rank, layout.world_size)
         mesh = build_mesh(layout, "cpu")
         assert mesh.mesh_dim_names == AXES and dict(zip(AXES, mesh.get_coordinate())) == layout.coords(rank)
-        group = mesh["cp"].mesh.tolist()
-        assert rank in group and group == list(range(group[0], group[0] + cp)) and len({r // 8 for r in group}) == 1
+        group, tp = mesh["cp"].mesh.tolist(), layout.tp  # consecutive ranks, tp apart
+        assert rank in group and group == list(range(group[0], group[0] + cp * tp, tp))
+        assert len({r // 8 for r in group}) == 1
         assert data_parallel_mesh(mesh).size() == layout.dp * cp
         shard = dp_mesh(mesh, layout)
         if strategy == "hsdp":
             assert shard.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and shard.size() == 128
             assert {r // 8 for r in shard["dp_shard_cp"].mesh.tolist()} == {rank // 8}
-        elif strategy == "fsdp":
-            assert shard.size() == layout.dp_shard * cp == 128
+        elif strategy.startswith("fsdp"):
+            assert shard.size() == layout.dp_shard * cp == 128 // layout.tp
         import torch.distributed as dist
 
         dist.destroy_process_group()

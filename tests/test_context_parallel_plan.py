@@ -48,6 +48,10 @@ def test_the_all_to_all_volume_and_its_time():
     _, _, _, four = recipe(4)
     assert four.compute_s == pytest.approx(time.compute_s)  # the same tokens a GPU a step
     assert time.cp_comm_s < four.cp_comm_s < 2 * time.cp_comm_s  # (cp-1)/cp of a volume that does not grow
+    # with TP 2 first: each rank sends its 14 query and 2 K/V heads, half the bytes
+    tp_cfg, tp_layout, _, _ = recipe(2, 32768, "strategy.tensor_parallel=2")
+    assert (tp_layout.tp, tp_layout.cp, tp_layout.dp_shard) == (2, 2, 2)
+    assert cp_all_to_all_bytes(tp_cfg, tp_layout) == pytest.approx(cp_all_to_all_bytes(cfg, layout) / 2)
     # 4 K/V heads over cp 28 (a multiple): each repeated 7 times before the all-to-all
     many = compose_run(["+cluster=h100x8", "+experiment=r1_distill_sft", "strategy=fsdp", "strategy.cp=28",
                         "cluster.gpus_per_node=28", "cluster.nvlink_domain=28", "train.seq_len=28672"])

@@ -110,14 +110,14 @@ class StepTime:
 
 def cp_all_to_all_bytes(cfg: RunConfig, layout: Layout) -> float:
     """Bytes each rank sends in one micro-step's context-parallel all-to-alls (train/context_parallel.py):
-    per block q, k, v (K/V heads repeated where cp exceeds them) and the attention output,
+    per block q, k, v of the TP rank's heads (K/V heads repeated where cp exceeds them) and the attention output,
     each (cp - 1) / cp of the rank's seq/cp tokens, in the forward, again in the backward
     (their gradients) and in a recomputed forward. Whatever cp, about 2(q + kv) x tokens/cp."""
     if layout.cp == 1:
         return 0.0
-    m, t, cp = cfg.model, cfg.train, layout.cp
-    kv = m.n_kv_heads or m.n_heads
-    width = (2 * m.n_heads + 2 * kv * kv_repeats(kv, cp)) * head_dim(m)
+    m, t, cp, tp = cfg.model, cfg.train, layout.cp, layout.tp
+    kv = (m.n_kv_heads or m.n_heads) // tp  # this TP rank's heads, split again by cp
+    width = (2 * m.n_heads // tp + 2 * kv * kv_repeats(kv, cp)) * head_dim(m)
     tokens = t.micro_batch_size * t.seq_len / cp
     passes = 2 + ac_mode(cfg.strategy.activation_checkpointing).share
     return passes * m.n_layers * (cp - 1) / cp * tokens * width * compute_bytes(cfg)
