@@ -178,8 +178,42 @@ def torchtitan_rows() -> List[Row]:
     return rows
 
 
+# Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", Section 4.2: "On
+# GPT-3 175B, we reduce the VRAM consumption during training from 1.2TB to 350GB", with
+# r = 4 on the query and value projections. GPT-3 175B's shape (Brown et al. 2020, Table
+# 2.1: 96 layers, d_model 12288, 96 heads, 2048 tokens; 50257 tokens of vocabulary, the
+# head tied to the embedding): its 4 x d_model MLP as SwiGLU's three matrices of 8/3 x
+# d_model (the same 8 d_model^2 parameters a block: 174.6e9 in all).
+LORA_PAPER_GB = 350.0
+GPT3 = ["model.name=gpt3_175b", "model.dim=12288", "model.n_layers=96", "model.n_heads=96", "model.vocab_size=50257",
+        "model.ffn_hidden_dim=32768", "model.tie_embeddings=true", "model.max_seq_len=2048", "train.seq_len=2048"]
+
+
+def full_cfg_overrides() -> List[str]:
+    return ["+cluster=h100x8", "cluster.nodes=8", "+strategy=zero3", "strategy.mixed_precision=bf16", *GPT3]
+
+
+def lora_rows() -> List[Row]:
+    """LoRA's GPT-3 175B figure: the planner's model states summed over the GPUs (ZeRO-3,
+    bf16: the frozen base in 2 bytes a parameter, the adapters with their gradients, fp32
+    master and Adam). Activations are not in it: the paper gives no batch for its figure,
+    which the frozen weights' 2 x 174.6e9 bytes make up."""
+    from spec.peft import adapter_params
+
+    full_cfg, layout = _cfg(full_cfg_overrides())
+    cfg, _ = _cfg([*full_cfg_overrides(), "+peft=lora", "peft.rank=4", "peft.target_modules=[q_proj,v_proj]"])
+    psi = stage_params(cfg.model, layout.tp, layout.pp)[0]
+    p, g, o, *_ = model_states(cfg, layout, psi)
+    full = sum(model_states(full_cfg, layout, psi)[:3]) * layout.world_size
+    note = (f"{psi / 1e9:.1f}e9 frozen + {adapter_params(cfg) / 1e6:.1f}e6 trained parameters; without LoRA the "
+            f"planner counts {full / 1e12:.1f} TB (the paper's 1.2 TB names no setup to compare with); activations "
+            "not counted")
+    return [Row("LoRA paper Sec. 4.2 (GPT-3 175B, r=4 on q, v)", f"zero3 bf16, {layout.world_size} GPUs",
+                "model states, all GPUs", LORA_PAPER_GB, (p + g + o) * layout.world_size / GB, "GB", note)]
+
+
 def all_rows() -> List[Row]:
-    return paper_rows() + deepspeed_rows() + torchtitan_rows()
+    return paper_rows() + deepspeed_rows() + torchtitan_rows() + lora_rows()
 
 
 def render(rows: List[Row]) -> str:

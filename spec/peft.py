@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 from spec.config import ConfigError, RunConfig
+from spec.model_size import ffn_hidden_dim, head_dim
 
 # PEFT's names (transformers' Llama / Qwen modules) -> ours inside a block (spec/hf.py's _BLOCK).
 TARGETS = {"q_proj": "attention.wq", "k_proj": "attention.wk", "v_proj": "attention.wv", "o_proj": "attention.wo",
@@ -40,6 +41,15 @@ def target_names(cfg: RunConfig) -> List[str]:
     """PEFT's names of the modules that get an adapter, in PEFT's order."""
     wanted = list(cfg.peft.target_modules)
     return list(TARGETS) if ALL_LINEAR in wanted else [n for n in TARGETS if n in wanted]
+
+
+def adapter_params(cfg: RunConfig) -> int:
+    """Parameters of the adapters: rank x (in + out) for each target of every block."""
+    m = cfg.model
+    q, kv, hidden = m.n_heads * head_dim(m), (m.n_kv_heads or m.n_heads) * head_dim(m), ffn_hidden_dim(m)
+    sizes = {"q_proj": m.dim + q, "k_proj": m.dim + kv, "v_proj": m.dim + kv, "o_proj": q + m.dim,
+             "gate_proj": m.dim + hidden, "up_proj": m.dim + hidden, "down_proj": hidden + m.dim}
+    return m.n_layers * cfg.peft.rank * sum(sizes[n] for n in target_names(cfg))
 
 
 def is_adapter(name: str) -> bool:

@@ -246,3 +246,44 @@ def test_fsdp_lora_trains_as_peft_and_exports_for_it(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert {r["world_size"] for r in read_metrics(run) if r["step"] > 8} == {1}
     assert_losses_as_peft(run, tmp_path / "resumed", 10)
+
+
+def test_planner_counts_the_frozen_base_and_the_adapters():
+    """The recipe (ZeRO-3, bf16, 8 GPUs) with LoRA: the base's bf16 partition and no state of
+    its own, the adapters' partition, gradients (bf16 + the fp32 copy at the step), fp32
+    master and Adam; under FSDP the base stays fp32 (the trainer's master weights)."""
+    from launcher.plan.memory import estimate
+    from spec.layout import build_layout
+    from spec.model_size import count_params
+    from spec.peft import adapter_params
+
+    for strategy, base_bytes, grad_bytes, optim_bytes in (("zero3", 2, 2 + 4, 12), ("fsdp", 4, 4, 8)):
+        cfg = compose_run(["+cluster=h100x8", "+experiment=r1_distill_sft", f"strategy={strategy}", "+peft=lora"])
+        full = compose_run(["+cluster=h100x8", "+experiment=r1_distill_sft", f"strategy={strategy}"])
+        layout = build_layout(cfg)
+        mem, whole = estimate(cfg, layout), estimate(full, layout)
+        psi, a, n = count_params(cfg.model), adapter_params(cfg), layout.dp
+        assert a == 28 * 16 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944))  # Qwen2.5-7B, r=16
+        assert mem.param_bytes == pytest.approx((base_bytes * psi + base_bytes * a) / n)
+        assert mem.grad_bytes == pytest.approx(grad_bytes * a / n)
+        assert mem.optimizer_bytes == pytest.approx(optim_bytes * a / n)
+        assert mem.activation_bytes == whole.activation_bytes and mem.param_bytes < whole.param_bytes + 1e9
+        assert whole.grad_bytes + whole.optimizer_bytes > 100 * (mem.grad_bytes + mem.optimizer_bytes)
+
+
+def test_planner_row_against_the_lora_papers_figure():
+    """Hu et al. 2021, Sec. 4.2: GPT-3 175B with r=4 on q and v trains in 350 GB (the frozen
+    weights in 2 bytes); the planner's model states summed over 64 GPUs (bench/planner_refs.py,
+    whose row docs/planner.md holds)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("planner_refs", REPO / "bench" / "planner_refs.py")
+    refs = sys.modules.get("planner_refs") or importlib.util.module_from_spec(spec)
+    if "planner_refs" not in sys.modules:
+        sys.modules["planner_refs"] = refs
+        spec.loader.exec_module(refs)
+    (row,) = refs.lora_rows()
+    assert abs(row.ratio - 1) <= 0.01, row
+    assert "174.6e9 frozen + 18.9e6 trained" in row.note
+    assert refs.render([row]).splitlines()[-3] in (REPO / "docs" / "planner.md").read_text()

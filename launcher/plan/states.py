@@ -14,6 +14,7 @@ from spec.config import ModelConfig, RunConfig
 from spec.layout import Layout
 from spec.model_size import largest_module_params, param_breakdown
 from spec.ds_config import deepspeed_config, use_bf16
+from spec.peft import adapter_params, lora_enabled
 
 ADAM = 8            # fp32 first and second moments per parameter
 MASTER = 4          # fp32 master copy of a parameter (DeepSpeed ZeRO keeps one per partition)
@@ -155,10 +156,34 @@ def zero3_gathered(cfg: RunConfig, layout: Layout, psi: int, e: int, reuse_cache
 
 def model_states(cfg: RunConfig, layout: Layout, psi: int):
     """(params, grads, optimizer, buffers, host bytes, shard degree) of one rank holding
-    ``psi`` parameters before data-parallel sharding (the engines' model, above)."""
+    ``psi`` parameters before data-parallel sharding (the engines' model, above); with
+    LoRA (``peft.method``) the frozen base and the adapters (:func:`_lora_states`)."""
     e = compute_bytes(cfg)
     if cfg.strategy.engine == "deepspeed":
-        return _deepspeed_states(cfg, layout, psi, e)
-    _, block, root = stage_params(cfg.model, layout.tp, layout.pp)
-    return _torch_states(cfg, layout, psi, block, root, e)
+        states = _deepspeed_states(cfg, layout, psi, e)
+    else:
+        _, block, root = stage_params(cfg.model, layout.tp, layout.pp)
+        states = _torch_states(cfg, layout, psi, block, root, e)
+    if lora_enabled(cfg):
+        return _lora_states(cfg, layout, psi, states)
+    return states
+
+
+def _lora_states(cfg: RunConfig, layout: Layout, psi: int, full):
+    """LoRA (train/lora.py): the base is frozen, held as the engine holds parameters (fp32
+    under DDP and FSDP, the compute dtype under DeepSpeed; sharded as the engine shards
+    them) with no gradient and no optimizer state; the adapters (:func:`spec.peft.adapter_params`)
+    train, and hold what the engine holds for a model of their size: parameters, gradients,
+    Adam (and DeepSpeed's fp32 master). The buffers stay the base's (the gathered units,
+    conservatively with their gradients); the host holds the adapters' offloaded states
+    and, with ``offload_params``, the base."""
+    e, s = compute_bytes(cfg), cfg.strategy
+    a = adapter_params(cfg)
+    if s.engine == "deepspeed":
+        ap, ag, ao, _, acpu, _ = _deepspeed_states(cfg, layout, a, e)
+    else:
+        ap, ag, ao, _, acpu, _ = _torch_states(cfg, layout, a, 0, 0, e)
+    p, _, _, buffers, _, shard = full
+    base_host = e * psi / layout.dp if s.engine == "deepspeed" and s.offload_params else 0.0
+    return p + ap, ag, ao, buffers, acpu + base_host, shard
 
