@@ -241,7 +241,7 @@ def test_a_cp2_checkpoint_resumes_at_cp1(tmp_path):
     from spec.rundir import read_metrics, read_run_json
 
     base = ["train.steps=10", "train.seq_len=32", "data.num_tokens=20000", "train.micro_batch_size=4",
-            "strategy.mixed_precision=fp32", f"data.cache_dir={tmp_path}/cache"]
+            "strategy.mixed_precision=fp32", f"data.cache_dir={tmp_path}/cache", "train.eval_every=2"]
     ref = warm.launcher(base + ["cluster.gpus_per_node=1", f"launcher.run_dir={tmp_path}/ref"], cwd=tmp_path)
     assert ref.returncode == 0, ref.stdout + ref.stderr
     run = tmp_path / "run"
@@ -259,3 +259,9 @@ def test_a_cp2_checkpoint_resumes_at_cp1(tmp_path):
     want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "ref")}
     assert sorted(got) == sorted(want) == list(range(1, 11))
     np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=0, atol=1e-5)
+    # the validation loss of the cp 2 segment (steps 2 and 4, before its checkpoint) too
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in rows if r.get("segment") == 0 and r.get("val_loss") is not None}
+    ref_val = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "ref") if r.get("val_loss") is not None}
+    assert {2, 4} <= set(val), rows
+    np.testing.assert_allclose([val[2], val[4]], [ref_val[2], ref_val[4]], rtol=0, atol=1e-5)
