@@ -70,6 +70,9 @@ def test_the_recipe_leaves_room_at_32k_and_runs_65k():
     assert round(two.total_bytes / GB, 1) == 50.2 and two.fits
     assert round(four_65k.total_bytes / GB, 1) == 50.2 and four_65k.fits
     assert not one_65k.fits
+    _, _, one_65k_mb1, _ = recipe(1, 65536, "train.micro_batch_size=1", "train.grad_accum=16")
+    _, _, four_131k, _ = recipe(4, 131072)
+    assert round(one_65k_mb1.total_bytes / GB, 1) == round(four_131k.total_bytes / GB, 1) == 76.1
 
 
 def test_a_recipe_s_strategy_is_overridden_without_a_plus():
