@@ -269,6 +269,10 @@ def test_planner_counts_the_frozen_base_and_the_adapters():
         assert mem.optimizer_bytes == pytest.approx(optim_bytes * a / n)
         assert mem.activation_bytes == whole.activation_bytes and mem.param_bytes < whole.param_bytes + 1e9
         assert whole.grad_bytes + whole.optimizer_bytes > 100 * (mem.grad_bytes + mem.optimizer_bytes)
+        if strategy == "zero3":  # the recipe's own figures, as docs/finetune.md gives them
+            page = (REPO / "docs" / "finetune.md").read_text()
+            assert f"about {mem.total_bytes / 1e9:.1f} of 80 GB a GPU, where the full fine-tune needs " \
+                   f"{whole.total_bytes / 1e9:.1f}" in page
 
 
 def test_planner_row_against_the_lora_papers_figure():
