@@ -8,6 +8,9 @@ CPUs of the training's node, no GPU, the run's partition, ``launcher.then_time_m
 - ``export``: the run's newest committed checkpoint as a Hugging Face directory,
   ``RUN_DIR/export`` (``python -m launcher.export``, on the CPU; the run must save
   checkpoints: ``checkpoint.every_steps`` or ``every_minutes``).
+- ``eval``: the newest committed checkpoint evaluated as ``eval.on_checkpoint`` evaluates
+  each (launcher/evaljobs.py: lm-eval's ``eval.tasks``, the validation loss, rows in
+  ``RUN_DIR/eval.jsonl``), with the evaluation's resources (``eval.gpus_per_node``, ...).
 - ``cmd:COMMAND``: a shell command, with ``{run_dir}`` and ``{export_dir}`` replaced
   (shell-quoted), run in the run directory (e.g. ``cmd:python my_eval.py {export_dir}``).
 
@@ -26,12 +29,12 @@ import shlex
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from launcher import allocation
+from launcher import allocation, evaljobs
 from launcher.snapshot import Frozen
 from slurm import query, sbatch
 from spec.config import ConfigError, RunConfig
 
-KINDS = ("export",)  # and "cmd:COMMAND"
+KINDS = ("export", "eval")  # and "cmd:COMMAND"
 EXPORT_DIR = "export"
 
 
@@ -52,14 +55,16 @@ def check(cfg: RunConfig) -> None:
     for i, item in enumerate(then):
         if item in KINDS or (item.startswith("cmd:") and item[4:].strip()):
             continue
-        raise ConfigError(f"launcher.then[{i}]={item!r}: not a step of a chain; use export or \"cmd:COMMAND\" "
+        raise ConfigError(f"launcher.then[{i}]={item!r}: not a step of a chain; use export, eval or \"cmd:COMMAND\" "
                           "({run_dir} and {export_dir} are replaced)")
-    if "export" in then and (cfg.entrypoint or (cfg.checkpoint.every_steps is None and
+    if "eval" in then:
+        evaljobs.check_tasks(cfg, "launcher.then=[eval]")
+    if ("export" in then or "eval" in then) and (cfg.entrypoint or (cfg.checkpoint.every_steps is None and
                                                  cfg.checkpoint.every_minutes is None
                                                  and cfg.cluster.accelerator != "gpu")):
         why = "a user's entry point writes no checkpoint of the built-in trainer" if cfg.entrypoint else \
             "the run saves checkpoints only on a signal here"
-        raise ConfigError(f"launcher.then=[export]: {why}, so there may be nothing to export; "
+        raise ConfigError(f"launcher.then={list(then)}: {why}, so there may be nothing to export or evaluate; "
                           "set checkpoint.every_steps (the last step is saved too) or drop export")
 
 
@@ -68,6 +73,8 @@ def command(item: str, run_dir: Path, python: str) -> str:
     export = run_dir / EXPORT_DIR
     if item == "export":
         return f"{python} -m launcher.export {shlex.quote(str(run_dir))} {shlex.quote(str(export))}"
+    if item == "eval":
+        return f"{python} -m train.eval_job {shlex.quote(str(run_dir))} 0"
     return item[4:].replace("{run_dir}", shlex.quote(str(run_dir))).replace("{export_dir}", shlex.quote(str(export)))
 
 
@@ -75,12 +82,16 @@ def script(cfg: RunConfig, item: str, run_dir: Path, after: str, python: str, co
     """The batch script of one step: its resources, the site's setup, the run's code first on
     PYTHONPATH (as the training's tasks), then the step's command."""
     c, kind = cfg.cluster, item.split(":", 1)[0]
-    options = {"job-name": f"sto-then-{kind}", "nodes": 1, "ntasks": 1, "cpus-per-task": c.task_cpus() * c.gpus_per_node,
+    gpus = evaljobs.gpus(cfg) if kind == "eval" else 0  # export and commands: no GPU
+    options = {"job-name": f"sto-then-{kind}", "nodes": 1, "ntasks": 1, "gpus-per-node": gpus or None,
+               "cpus-per-task": c.task_cpus() * (max(gpus, 1) if kind == "eval" else c.gpus_per_node),
                "time": cfg.launcher.then_time_min, "dependency": f"{cfg.launcher.then_dependency}:{after}",
                "kill-on-invalid-dep": "yes", "output": str(run_dir / "slurm" / f"then-{kind}-%j.out"),
                "partition": c.partition, "account": c.account, "qos": c.qos, "constraint": c.constraint}
     lines = ["#!/bin/bash"] + [f"#SBATCH --{k}={shlex.quote(str(v))}" for k, v in options.items() if v]
     lines += list(c.setup) + sbatch.export_lines(c.env) + (code.setup_lines() if code is not None else [])
+    if kind == "eval":  # lm-eval and transformers read nothing from the network
+        lines.append("export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1")
     lines += [f"cd {shlex.quote(str(run_dir))}", f"exec {command(item, run_dir, python)}"]
     return "\n".join(lines) + "\n"
 

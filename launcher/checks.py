@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from launcher import allocation, chain, submit
+from launcher import allocation, chain, evaljobs, submit
 from launcher.plan.checkpoints import SavePlan, resolve as resolve_saves
 from launcher.plan.gate import check_fits
 from slurm import query
@@ -45,6 +45,7 @@ def check(cfg: RunConfig, probe: Optional[submit.SlurmProbe] = None
         check_fits(cfg, layout)  # refuse what is predicted not to fit (launcher.allow_oom=true overrides)
     saves = resolve_saves(cfg, layout)  # refuses a signal-time save that cannot fit, a quota too small
     chain.check(cfg)  # launcher.then: jobs after the training
+    evaljobs.check(cfg)  # eval.on_checkpoint: a job per checkpoint
     slurm_conf = None
     if cfg.cluster.backend == "slurm" and not cfg.launcher.dry_run:
         slurm_conf = submit.resolve_slurm_conf(cfg)

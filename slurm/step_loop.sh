@@ -59,6 +59,9 @@
 #    gets the failure (rank_failure: the task, its node, the signal) unless a task recorded
 #    one, and RESTART is written by the tasks' own rules (never before the run's first step,
 #    nor twice for the same error at the same step). The loop goes on as for a task's request.
+# 4. submits, every poll and once after the step, the checkpoints its tasks queued for
+#    evaluation (RUN_DIR/evals/queue, eval.on_checkpoint: `STO_PYTHON -m launcher.evaljobs
+#    submit`, with Slurm's client on the PATH), 10 s apart after a failed try (spec/evals.py).
 # `wait -n` (bash >= 4.3) wakes at the step's end or after a second, whichever is first.
 #
 # With node agents (STO_AGENT set) the agents restart the step's ranks themselves, inside
@@ -128,6 +131,12 @@ sto_end_step() {  # $1: the step's srun ($!), $2: why
   [ -n "$step" ] && { sto_slurm scancel --signal=KILL "$SLURM_JOB_ID.$step" 2>/dev/null & }
   sto_kill_srun "$1"
 }
+sto_eval_at=0  # with eval.on_checkpoint: no submission before this time (SECONDS) after one failed
+sto_evals() {  # $1: RUN_DIR; submit the checkpoints queued for evaluation (launcher/evaljobs.py)
+  local queued=("$1"/evals/queue/*.json)
+  [ -e "${queued[0]}" ] && [ "$SECONDS" -ge "$sto_eval_at" ] || return 0
+  (PATH="${sto_slurm_path:-$PATH}:$PATH"; eval "$STO_PYTHON"' -m launcher.evaljobs submit "$1"') || sto_eval_at=$((SECONDS + 10))
+}
 sto_request() {
   local taken="$1/.$STO_REQUEST.taken" action nodes reason out
   [ -e "$1/$STO_REQUEST" ] && mv -f "$1/$STO_REQUEST" "$taken" 2>/dev/null || return 1
@@ -177,6 +186,7 @@ srun() {
       sleep 1 & wait -n
       kill $! 2>/dev/null
       sto_request "$dir" "$pid" && exit 0
+      sto_evals "$dir"
       if now=$(cksum 2>/dev/null < "$dir/$STO_RESTART"); then
         [ "$now" = "$seen" ] && waited=$((waited + 1)) || waited=1
         seen=$now
@@ -191,6 +201,7 @@ srun() {
     done
     wait "$pid"
     code=$?
+    sto_evals "$dir"
     sto_request "$dir" && exit 0
     i=$(sto_started "$dir" "$i")  # this srun's start, or the last its agents began
     [ "$(sto_restart_start "$dir" "$i")" -lt "$i" ] && rm -f "$dir/$STO_RESTART"  # an earlier start's: done with

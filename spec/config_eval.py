@@ -15,8 +15,10 @@ class EvalConfig:
     # lm-eval task names, or paths of the user's task YAML files (their directories go on
     # lm-eval's include path).
     tasks: List[str] = field(default_factory=list)
-    # Only checkpoints whose step is a multiple of this (0: every committed checkpoint).
-    every_steps: int = 0
+    # Only checkpoints whose step is a multiple of this, and the last step's. null: the
+    # periodic saves' (checkpoint.every_steps), else every committed checkpoint; 0: every
+    # committed checkpoint, a preemption's save too.
+    every_steps: Optional[int] = None
     # Examples per task (null: all); lm-eval's batch size.
     limit: Optional[int] = None
     batch_size: int = 8

@@ -12,6 +12,8 @@ separates commands). :class:`PageRun` runs them in the page's order, as a reader
 - ``launcher.resume`` of a Slurm run directory is a dry run, of a local one real;
 - ``launcher.status|logs|report|cancel|export|plan``, ``train.data.prepare`` and
   ``python -m train`` run for real (``python -m train RUN_DIR``: the last launch's);
+- ``launcher.eval`` (it submits Slurm jobs) runs as its dry run (``--dry-run``), of the
+  page's last real run;
 - ``launcher.list`` runs for real from the page's work directory: its default ROOT,
   ``runs``, is the runs root of the page's launches;
 - ``bench/*.py`` scripts run with ``--help`` (all of a page's in one interpreter, by
@@ -154,6 +156,8 @@ class PageRun:
             return self._shell(self.substitute(doc_line, real_run=True), cwd=REPO)
         if module == "launcher.list":  # ROOT runs (the default): where the page's launches went
             return self._shell(self.substitute(doc_line, real_run=True), cwd=self.work)
+        if module == "launcher.eval":  # submits Slurm jobs: its dry run, of the page's last real run
+            return self._shell(self.substitute(doc_line, real_run=True) + " --dry-run", cwd=self.work)
         if module == "train.data.prepare":
             return self._shell(self.substitute(doc_line, real_run=True) + " --no-progress", cwd=self.work)
         raise AssertionError(f"no test runs this documented command: {doc_line}")

@@ -116,7 +116,22 @@ def export(ckpt: Path, model: ModelConfig, out: Path, dtype: torch.dtype = torch
         for f in ([src] if src.is_file() else [src / n for n in TOKENIZER_FILES]):
             if f.is_file():
                 shutil.copy2(f, out / ("tokenizer.json" if src.is_file() else f.name))
+        tokenizer_config(out, eos_token_id, bos_token_id)
     return files
+
+
+def tokenizer_config(out: Path, eos_id: Optional[int], bos_id: Optional[int]) -> None:
+    """A tokenizer.json alone (the prepared data's) names no EOS or BOS token for
+    ``transformers`` (lm-eval needs the EOS as its prefix token): write tokenizer_config.json
+    naming them by the ids the data was prepared with, unless one was copied."""
+    if (out / "tokenizer_config.json").exists() or not (out / "tokenizer.json").is_file():
+        return
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    names = {k: tok.id_to_token(i) for k, i in (("eos_token", eos_id), ("bos_token", bos_id)) if i is not None}
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", **{k: v for k, v in names.items() if v is not None}}, indent=2))
 
 
 def hf_to_ours(model: ModelConfig) -> List[str]:

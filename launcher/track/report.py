@@ -23,11 +23,13 @@ from launcher.track.progress import wait_until_finished
 from launcher.track.scaling import efficiency, point_metrics, scaling_kind, series_labels, slurm_time
 from launcher.track.status import Point, Sweep, UsageError, collect, console, resolve_sweep_dir
 from slurm.states import Outcome
+from spec import evals
 
 COLUMNS = ("point", "series", "strategy", "nodes", "gpus", "outcome", "state", "failure_class", "failure_detail",
            "global_batch", "tokens_per_s", "samples_per_s", "tokens_per_s_per_gpu", "efficiency", "scaling",
            "baseline_point", "peak_mem_gib_per_gpu", "mfu", "step_time_s", "compute_s", "comm_s", "queue_s",
-           "wall_s", "gpu_hours", "requeues", "last_step", "job_id", "run_dir", "peak_lr", "val_loss")
+           "wall_s", "gpu_hours", "requeues", "last_step", "job_id", "run_dir", "peak_lr", "val_loss",
+           "eval_step", "eval_scores")
 FILES = ("report.md", "report.csv", "scaling.png")
 
 
@@ -48,6 +50,16 @@ def timing(p: Point, now: Optional[float] = None) -> Dict[str, Optional[float]]:
     return {"queue_s": queue, "wall_s": wall, "gpu_hours": wall * (p.world or 0) / 3600}
 
 
+def scores(run_dir: Optional[Path]) -> Dict[str, Any]:
+    """The point's newest evaluation (eval.jsonl, spec/evals.py): its step and its scores,
+    ``task/metric=value`` joined by ``; `` (the validation loss is ``val/loss``)."""
+    newest = evals.newest_scores(run_dir) if run_dir else {}
+    if not newest:
+        return {"eval_step": None, "eval_scores": ""}
+    text = "; ".join(f"{k}={v:.4g}" for k, v in sorted(newest["scores"].items()))
+    return {"eval_step": newest["step"], "eval_scores": text}
+
+
 def report_rows(sweep: Sweep) -> List[Dict[str, Any]]:
     labels = series_labels([p.overrides for p in sweep.points], [p.strategy for p in sweep.points])
     rows = []
@@ -66,7 +78,7 @@ def report_rows(sweep: Sweep) -> List[Dict[str, Any]]:
             "baseline_point": "", "peak_mem_gib_per_gpu": peak / 2**30 if peak else None, "mfu": m.get("mfu"),
             "step_time_s": m.get("step_time_s"), "compute_s": m.get("compute_s"), "comm_s": m.get("comm_s"),
             **timing(p), "requeues": p.restarts if p.job_id else None, "last_step": m.get("last_step"),
-            "job_id": p.job_id, "run_dir": str(p.run_dir or ""),
+            "job_id": p.job_id, "run_dir": str(p.run_dir or ""), **scores(p.run_dir),
         })
     for label in sorted(set(labels)):
         members = [r for r in rows if r["series"] == label and r["outcome"] == Outcome.COMPLETED and r["gpus"]
@@ -107,7 +119,7 @@ def _fmt(value: Any, spec: str = ",.1f", scale: float = 1.0, suffix: str = "") -
 SHOWN = (("point", "point", "", 1, ""), ("series", "series", "", 1, ""), ("nodes", "nodes", "", 1, ""),
          ("GPUs", "gpus", "", 1, ""), ("outcome", "outcome", "", 1, ""), ("global batch", "global_batch", "", 1, ""),
          ("peak lr", "peak_lr", ".2e", 1, ""), ("val loss", "val_loss", ".4f", 1, ""),
-         ("tokens/s", "tokens_per_s", ",.0f", 1, ""), ("samples/s", "samples_per_s", ",.1f", 1, ""),
+         ("eval (newest)", "eval_scores", "", 1, ""), ("tokens/s", "tokens_per_s", ",.0f", 1, ""), ("samples/s", "samples_per_s", ",.1f", 1, ""),
          ("tokens/s/GPU", "tokens_per_s_per_gpu", ",.0f", 1, ""), ("efficiency", "efficiency", ".1f", 100, "%"),
          ("peak mem/GPU", "peak_mem_gib_per_gpu", ".2f", 1, " GiB"), ("MFU", "mfu", ".1f", 100, "%"),
          ("step", "step_time_s", ".3f", 1, " s"), ("compute/comm", None, "", 1, ""),

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from launcher import chain
+from launcher import chain, evaljobs
 from launcher.track import registry
 from launcher.track.summary import summary_lines
 from slurm import query
@@ -60,7 +60,9 @@ def failure_line(info: Dict) -> List[str]:
 def status_main(run_dir: Path) -> int:
     info = read_run_json(run_dir)
     lines = summary_lines(run_dir)
-    then = chain.status_lines(info, query.slurm_env(slurm_conf_of(info))) if info.get("chain") else []
+    env = query.slurm_env(slurm_conf_of(info))
+    then = chain.status_lines(info, env) if info.get("chain") else []
+    then += evaljobs.status_lines(run_dir, env)  # eval.on_checkpoint's jobs, eval.jsonl's newest scores
     print("\n".join(lines[:-1] + job_lines(info) + failure_line(info) + then + lines[-1:]))
     return 0
 
@@ -78,6 +80,7 @@ def cancel_main(run_dir: Path) -> int:
     conversion = str(info.get("conversion_job") or "")
     wanted = {job: name, **({conversion: f"{name}-convert" if name else None} if is_job_id(conversion) else {})}
     wanted.update({str(e["job_id"]): None for e in info.get("chain") or []})  # launcher.then's jobs
+    wanted.update({j: None for j in evaljobs.in_flight(run_dir)})  # evaluations not ended
     try:
         queued = query.squeue_jobs(list(wanted), env)
         ours = [j for j, jname in wanted.items() if j in queued and (not jname or queued[j]["JobName"] == jname)]

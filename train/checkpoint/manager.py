@@ -49,6 +49,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch.distributed as dist
 
 from spec.peft import check_same_base
+from spec import evals
 from train.checkpoint.async_save import AsyncSaver
 from train.checkpoint.backend import backend_for
 from train.checkpoint.deepspeed_io import universal_dir
@@ -88,6 +89,9 @@ class Checkpointer:
     # under its own bound (checkpoint.save_timeout_s), the save's barriers as collectives.
     watchdog: Optional[Watchdog] = None
     policy: SavePolicy = field(default_factory=SavePolicy)  # when to save (the loop asks it)
+    # Rank 0, once a checkpoint is committed, before pruning: called with its step (the
+    # evaluation queue, spec/evals.py; its checkpoints are pinned until an evaluation reads them).
+    on_commit: Optional[Callable[[int], None]] = None
 
     def __post_init__(self) -> None:
         self._pending: Optional[Tuple[Future, Path, Path, int]] = None  # future, tmp, final, step
@@ -167,7 +171,7 @@ class Checkpointer:
             self._commit_now(tmp, final, step)
         self.last_save_s = time.perf_counter() - t0  # async: the stall, with staging_wait_s
         if not background and self.rank == 0:  # deleting old checkpoints need not hold up the loop
-            self._committer = threading.Thread(target=self._prune, daemon=False)  # wait() joins it
+            self._committer = threading.Thread(target=self._prune, args=(step,), daemon=False)  # wait() joins it
             self._committer.start()
         return final
 
@@ -239,13 +243,17 @@ class Checkpointer:
     def _commit(self, tmp: Path, final: Path, step: int) -> None:
         """Rank 0, after an async write: publish, then prune."""
         publish(tmp, final, step, shape=self.shape)
-        self._prune()
+        self._prune(step)
 
-    def _prune(self) -> None:
-        """Committed checkpoints beyond the newest ``keep``. Not temporary directories: an
-        async save of another rank may be writing one already (load_latest removes the
-        stale ones at start-up)."""
+    def _prune(self, step: int) -> None:
+        """Committed checkpoints beyond the newest ``keep``, but those an evaluation has yet
+        to read (spec.evals.pinned). Not temporary directories: an async save of another
+        rank may be writing one already (load_latest removes the stale ones at start-up)."""
+        if self.on_commit is not None:
+            self.on_commit(step)
         for old in committed_steps(self.root)[self.keep:]:
+            if evals.pinned(self.root.parent, int(old.name[len("step_"):])):
+                continue
             shutil.rmtree(old, ignore_errors=True)
             shutil.rmtree(universal_dir(old), ignore_errors=True)  # DeepSpeed's conversion, if any
 

@@ -1,0 +1,119 @@
+"""Evaluation jobs (eval.on_checkpoint, launcher/evaljobs.py, train/eval_job.py) on the real
+local cluster: a 2-node run of 20 steps saving every 5 (checkpoint.keep=1), preempted once
+by the high partition, gets one evaluation job per checkpoint (submitted by the batch
+script's loop; they run beside the training where the pair's nodes have CPUs left, else
+after it, and a preemption requeues them too), one eval.jsonl row per step and task, none
+twice, none missed; the validation loss rows equal the trainer's ``train.eval_every=5`` at
+the same steps; ``launcher.then=[export,eval]`` waits on the run (afterok), exports a model
+with the trainer's logits, and its eval finds the last step evaluated already. Without
+Slurm: the refusals, the queue's once-only and pinning rules, the batch script."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, final_states, job_gone, submit_run, wait_until
+from helpers import compose_run
+from launcher import evaljobs
+from launcher.track import report
+from spec import evals
+from spec.config import ConfigError
+from spec.rundir import read_metrics, read_run_json
+
+WORDS = [{"prompt": f"Document {i}: word{(i * 7) % 50}", "choices": [f" word{(i * 7 + 1) % 50}", " zebra", " x"],
+          "label": 0} for i in range(12)]
+
+
+def write_task(root) -> str:
+    """An lm-eval multiple-choice task over a local JSONL (read offline): its YAML's path."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "words.jsonl").write_text("".join(json.dumps(w) + "\n" for w in WORDS))
+    (root / "sto_words.yaml").write_text(
+        "task: sto_words\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {root / 'words.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n'
+        "metric_list:\n  - metric: acc\n")
+    return str(root / "sto_words.yaml")
+
+
+def test_evaluations_are_refused_when_they_cannot_run_and_queued_once(tmp_path):
+    task = write_task(tmp_path / "task")
+    for overrides, says in ((["eval.on_checkpoint=true", f"eval.tasks=[{task}]"], "evaluations are Slurm jobs"),
+                            (["+cluster=localslurm", "eval.on_checkpoint=true"], "eval.tasks=[]"),
+                            (["+cluster=localslurm", "eval.on_checkpoint=true", "eval.tasks=[/no/such.yaml]"],
+                             "/no/such.yaml is not a file"),
+                            (["+cluster=localslurm", "eval.on_checkpoint=true", f"eval.tasks=[{task}]"],
+                             "lm-eval needs the model's tokenizer, and data.source=markov")):
+        with pytest.raises(ConfigError, match=says.replace("[", r"\[")):
+            evaljobs.check(compose_run(overrides))
+    assert [s for s in range(1, 13) if evals.chosen(evals.every(None, 5), s, 12)] == [5, 10, 12]
+    assert [s for s in range(1, 4) if evals.chosen(evals.every(None, None), s, 3)] == [1, 2, 3]
+    run = tmp_path / "run"
+    assert evals.enqueue(run, 5, 1280, "step_00000005") and not evals.enqueue(run, 5, 1280, "step_00000005")
+    assert evals.pinned(run, 5) and not evals.pinned(run, 10)
+    evals.queue_file(run, 5).unlink()
+    evals.write_json(evals.step_dir(run, 5) / "job.json", {"step": 5, "job_id": "7"})
+    assert evals.pinned(run, 5) and not evals.enqueue(run, 5, 1280, "step_00000005")  # submitted: not again
+    (evals.step_dir(run, 5) / "read").touch()
+    assert not evals.pinned(run, 5)
+    (run / evals.ROWS).write_text("".join(json.dumps(dict(zip(evals.FIELDS, row))) + "\n" for row in (
+        (5, 640, "val", "loss", 3.5, None, "7", 9.0), (10, 1280, "val", "loss", 3.25, None, "8", 9.0),
+        (10, 1280, "sto_words", "acc", 0.75, 0.1, "8", 9.0))) + '{"step": 15, "tok')  # a torn last line
+    assert report.scores(run) == {"eval_step": 10, "eval_scores": "sto_words/acc=0.75; val/loss=3.25"}
+    cfg = compose_run(["+cluster=localslurm", f"eval.tasks=[{task}]", "eval.max_pending=1"])
+    text = evaljobs.script(cfg, tmp_path / "run dir", 10, "python", after="7")
+    assert "#SBATCH --dependency=afterany:7\n" in text and "#SBATCH --gpus-per-node" not in text
+    assert f"python -m train.eval_job '{tmp_path}/run dir' 10" in text and "HF_DATASETS_OFFLINE=1" in text
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_each_checkpoint_is_evaluated_once_across_a_preemption_and_the_chain_follows(tmp_path, slurm_cluster):
+    from test_hf import assert_export_has_our_logits
+    from test_prepare import DOCS, prepare
+
+    env = slurm_cluster
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.write("".join(json.dumps({"text": doc}) + "\n" for doc in DOCS * 4))
+    data = tmp_path / "data"
+    assert prepare(str(tmp_path / "docs.jsonl"), "--train-tokenizer", "300", "--out", str(data),
+                   cwd=tmp_path).returncode == 0
+    task = write_task(tmp_path / "task")
+    job, run_dir = submit_run(["+cluster=localslurm", "cluster.nodes=2", "data.source=tokens", f"data.path={data}",
+                               "model.vocab_size=320", "train.steps=20", "train.seq_len=32", "train.micro_batch_size=4",
+                               "train.eval_every=5", "checkpoint.every_steps=5", "checkpoint.keep=1",
+                               "fault.step_delay_s=0.4", "eval.on_checkpoint=true", f"eval.tasks=[{task}]",
+                               "eval.limit=8", "launcher.then=[export,eval]"], tmp_path, env)
+    wait_until(lambda: len(read_metrics(run_dir)) >= 7, 240, "7 steps of the preemptible run")
+    hosts = read_run_json(run_dir)["hostnames"]
+    subprocess.run(["sbatch", "--parsable", "-p", "high", "-w", ",".join(hosts), "-N", "2", "--ntasks-per-node=4",
+                    "--output=/dev/null", "--wrap", "sleep 2"], env=env, check=True, capture_output=True, text=True)
+    chain = wait_until(lambda: read_run_json(run_dir).get("chain"), 60, "the chain in run.json")
+    for j in [job] + [e["job_id"] for e in chain]:
+        wait_until(lambda: job_gone(j, env), 300, f"job {j} to leave the queue")
+    info = read_run_json(run_dir)
+    assert info["status"] == "completed" and info["preemptions"] >= 1, info
+    jobs = wait_until(lambda: (lambda s: s if len(s) == 4 and all(e["result"] for e in s) else None)(
+        evals.submitted(run_dir)), 180, "4 evaluations to end")
+    assert [e["step"] for e in jobs] == [5, 10, 15, 20] and all(e["result"]["status"] == "ok" for e in jobs), jobs
+    assert [final_states(e["job_id"], env)[-1] for e in jobs] == ["COMPLETED"] * 4
+    rows = evals.rows(run_dir)
+    assert sorted((r["step"], r["task"], r["metric"]) for r in rows) == sorted(
+        (s, t, m) for s in (5, 10, 15, 20) for t, m in (("val", "loss"), ("sto_words", "acc")))  # once each
+    trainer = {r["step"]: r["val_loss"] for r in read_metrics(run_dir) if r.get("val_loss") is not None}
+    for r in rows:
+        if r["task"] == "val":
+            assert abs(r["value"] - trainer[r["step"]]) <= 1e-6, (r, trainer)
+        # step 20's: its own job's, or the chain's eval's (whichever claimed the step first)
+        assert r["job_id"] in (next(e["job_id"] for e in jobs if e["step"] == r["step"]), chain[1]["job_id"])
+        assert r["tokens"] == r["step"] * read_metrics(run_dir)[0]["tokens_per_step"], r
+    assert [final_states(e["job_id"], env)[-1] for e in chain] == ["COMPLETED", "COMPLETED"]
+    outputs = [p.read_text() for p in (run_dir / "slurm").glob("*eval-*.out")]
+    assert sum("evaluated by another job already" in out for out in outputs) == 1, outputs  # step 20: once
+    status = subprocess.run([sys.executable, "-m", "launcher.status", str(run_dir)], cwd=REPO, env=env,
+                            capture_output=True, text=True).stdout
+    assert "eval: step 20: sto_words/acc " in status and "val/loss" in status, status
+    assert_export_has_our_logits(run_dir, run_dir / "export-check", data, 320)
