@@ -84,16 +84,25 @@ def check_peft(cfg: RunConfig) -> None:
                               f"strategy.{field}=1 (e.g. +strategy=fsdp)")
 
 
+FINGERPRINT_BYTES = 1 << 20  # read from each end of every safetensors file
+
+
 def _fingerprint(hf_path: str) -> str:
-    """A digest of a Hugging Face directory's ``config.json``, its safetensors index and the
-    names and sizes of its safetensors files: cheap (no tensor read), and it changes
-    with another model, another revision's weights or a truncated copy."""
+    """A digest of a Hugging Face directory's ``config.json``, its safetensors index, and of
+    each safetensors file its name, size and first and last MiB (its header and the first
+    and last tensors' bytes): a few MiB read whatever the model's size, and it changes with
+    another model, other weights of the same shapes, or a truncated copy."""
     root, h = Path(hf_path), hashlib.sha256()
     for name in ("config.json", "model.safetensors.index.json"):
         f = root / name
         h.update(name.encode() + (f.read_bytes() if f.is_file() else b"-"))
     for f in sorted(root.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size};".encode())
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size};".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(FINGERPRINT_BYTES))
+            fh.seek(max(0, size - FINGERPRINT_BYTES))
+            h.update(fh.read(FINGERPRINT_BYTES))
     return h.hexdigest()[:16]
 
 

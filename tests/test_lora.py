@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -210,10 +211,14 @@ def test_base_stays_bitwise_and_only_adapters_train():
 
 @pytest.mark.slow
 def test_fsdp_lora_trains_as_peft_and_exports_for_it(tmp_path):
-    """Fails at step 9 (its checkpoint of step 8), is checked, then resumed on 1 rank."""
+    """From a Hugging Face base (transformers' Llama with grouped-query attention): fails at
+    step 9 (its checkpoint of step 8), is checked, then resumed on 1 rank."""
+    from test_hf import _save_hf
+
+    hf = _save_hf(tmp_path / "hf", seed=5, num_key_value_heads=2)
     run = tmp_path / "run"
-    proc = launcher(["+strategy=fsdp", *LORA, "train.steps=10", "checkpoint.every_steps=4", "fault.raise_at_step=9",
-                     f"launcher.run_dir={run}"], cwd=tmp_path)
+    proc = launcher(["+strategy=fsdp", *LORA, f"model.hf_path={hf}", "train.steps=10", "checkpoint.every_steps=4",
+                     "fault.raise_at_step=9", f"launcher.run_dir={run}"], cwd=tmp_path)
     assert proc.returncode != 0 and read_run_json(run)["status"] == "failed", proc.stdout + proc.stderr
     assert_losses_as_peft(run, tmp_path, 8)
     assert_exports_load_in_peft(run, tmp_path)
@@ -238,11 +243,22 @@ def test_fsdp_lora_trains_as_peft_and_exports_for_it(tmp_path):
     saved = sum(f.stat().st_size for f in (ckpt / "dcp").glob("*.distcp"))
     assert 12 * adapter < saved < 12 * adapter + 2048 * len(md.storage_data), (saved, adapter, len(md.storage_data))
     keys = json.loads((ckpt / "COMMITTED").read_text())["shape"]["adapter_base"]
-    assert keys["hf_path"] is None and keys["seed"] == cfg.train.seed
+    assert keys["hf_path"] == str(hf) and len(keys["fingerprint"]) == 16
+    # Its base replaced by other weights of the same shapes: the resume is refused in one line.
+    shutil.copytree(hf, tmp_path / "kept")
+    _save_hf(hf, seed=6, num_key_value_heads=2)
+    proc = warm.run_module("launcher.resume", [str(run), "fault.raise_at_step=0"], cwd=tmp_path, timeout=300)
+    assert proc.returncode != 0
+    log = (run / "logs" / "rank0.log").read_text()
+    assert f"holds a LoRA adapter of base hf_path={hf} (fingerprint {keys['fingerprint']}) but this run's base is " \
+           f"hf_path={hf} (fingerprint {base_identity(cfg)['adapter_base']['fingerprint']})" in log, log[-2000:]
+    shutil.rmtree(hf)
+    shutil.copytree(tmp_path / "kept", hf)
     # Resumed on 1 rank (the same global batch of 16): DCP reshards the adapters and their
     # Adam moments, and two more steps go on as PEFT's do.
-    proc = warm.run_module("launcher.resume", [str(run), "cluster.gpus_per_node=1", "train.micro_batch_size=16",
-                                               "fault.raise_at_step=0"], cwd=tmp_path, timeout=300)
+    proc = warm.run_module("launcher.resume", [str(run), "cluster.gpus_per_node=1",
+                                               "train.micro_batch_size=16", "fault.raise_at_step=0"],
+                           cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert {r["world_size"] for r in read_metrics(run) if r["step"] > 8} == {1}
     assert_losses_as_peft(run, tmp_path / "resumed", 10)
