@@ -294,6 +294,8 @@ def start(session: Optional[Session], p: Point, wait: bool, convert: Optional[in
         return in_allocation(p, wait)
     job_id = str(submit.submit(cfg, layout, run_dir, p.slurm_conf, after=after, code=p.frozen).job_id)
     submitted(session, p, job_id)
+    if read_run_json(run_dir).get("allocation"):  # resumed as a job of its own after an allocation's segment
+        update_run_json(run_dir, allocation=None)
     if cfg.launcher.then:
         steps = chain.submit(cfg, run_dir, job_id, p.slurm_conf, submit.job_pythons(cfg, p.frozen)[1], p.frozen)
         update_run_json(run_dir, chain=steps)

@@ -2,12 +2,14 @@
 launcher/allocation.py): on the real local cluster, a 2-node run started with the id of a
 `salloc --no-shell` allocation submits no job: its srun steps run in the allocation and the
 run completes there; a run whose nodes the allocation cannot hold is refused in one line
-before anything is written. Without Slurm: what the script asks of srun and leaves out."""
+before anything is written; two runs share it side by side, a node each, and when the
+allocation ends under them each is left resumable (one resumed goes on to its end). Without Slurm: what the script asks of srun and leaves out."""
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -16,7 +18,7 @@ from helpers import compose_run
 from launcher.allocation import held, in_use
 from launcher.submit import render_script
 from spec.layout import build_layout
-from spec.rundir import read_run_json
+from spec.rundir import read_metrics, read_run_json
 
 
 def test_the_allocation_is_the_job_outside_any_step_and_its_script_never_requeues(tmp_path):
@@ -65,5 +67,43 @@ def test_a_run_inside_an_allocation_submits_no_job(tmp_path, slurm_cluster):
                                   capture_output=True, text=True).stdout.split()
             return rows if f"{job}.0|COMPLETED" in rows else None
         wait_until(step_ended, 60, "sacct's record of the run's step under the allocation")
+        side_by_side_then_the_allocation_ends(tmp_path, env, job)
     finally:
         subprocess.run(["scancel", job], env=slurm_cluster, capture_output=True)
+
+
+def side_by_side_then_the_allocation_ends(tmp_path, env, job):
+    """Two 1-node runs share the 2-node allocation, a node each; the allocation ends under
+    them (scancel); each is left resumable, and one resumed as a job of its own goes on
+    from its last checkpoint to the end."""
+    runs = []
+    for seed in (1, 2):
+        (tmp_path / f"side{seed}").mkdir()
+        proc = launcher(["+cluster=localslurm", "cluster.nodes=1", "cluster.allocation=auto", "train.steps=40",
+                         f"train.seed={seed}", "fault.step_delay_s=0.3", "checkpoint.every_steps=2"],
+                        cwd=tmp_path / f"side{seed}", env=env)
+        assert proc.returncode == 0 and f"started in allocation {job}" in proc.stdout + proc.stderr, proc.stderr
+        runs.append(run_dir_of(proc.stdout))
+    wait_until(lambda: all(len(read_metrics(r)) >= 5 for r in runs), 120, "both runs past step 4")
+    hosts = [read_run_json(r)["hostnames"] for r in runs]
+    assert len(hosts[0]) == len(hosts[1]) == 1 and hosts[0] != hosts[1], hosts  # side by side, a node each
+    subprocess.run(["scancel", job], env=env, check=True)
+    wait_until(lambda: all(read_run_json(r).get("status") not in (None, "running", "starting") for r in runs), 90,
+               "both runs to stop with the allocation")
+    ended = [read_metrics(r)[-1]["step"] for r in runs]
+    assert all(step < 40 for step in ended), ended
+    outside = {k: v for k, v in env.items() if k != "SLURM_JOB_ID"}
+    proc = launcher_resume(runs[0], outside)
+    assert proc.returncode == 0 and "submitted job" in proc.stdout, proc.stdout + proc.stderr
+    wait_until(lambda: read_run_json(runs[0]).get("status") == "completed", 180, "the resumed run")
+    assert read_run_json(runs[0]).get("allocation") is None  # a job of its own now
+    assert read_run_json(runs[1])["status"] not in ("completed", "failed")  # the other: resumable as it is (interrupted)
+    steps = [r["step"] for r in read_metrics(runs[0])]
+    assert steps[-1] == 40 and sorted(set(steps)) == list(range(1, 41)), steps  # none lost, from its checkpoint
+
+
+def launcher_resume(run_dir, env):
+    from conftest import REPO
+
+    return subprocess.run([sys.executable, "-m", "launcher.resume", str(run_dir)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
