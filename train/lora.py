@@ -19,14 +19,14 @@ kaiming-uniform (a = sqrt 5, bound 1 / sqrt(in_features)) as PEFT, B zeros
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, Tuple
+from typing import Iterator, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from spec.config import PeftConfig
-from spec.peft import TARGETS, is_adapter
+from spec.peft import TARGETS, lora_enabled, target_names
 
 
 class LoRALinear(nn.Linear):
@@ -80,14 +80,6 @@ def apply_lora(model: nn.Module, peft: PeftConfig, targets) -> int:
 def prepare_peft(model: nn.Module, cfg) -> None:
     """The run's ``peft.*`` on ``model`` (a no-op without ``peft.method``): the first of the
     preparation steps (before tensor parallel, checkpointing and compile)."""
-    from spec.peft import lora_enabled, target_names
-
     if lora_enabled(cfg):
         apply_lora(model, cfg.peft, target_names(cfg))
 
-
-def adapter_state(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The adapters of a plain (unsharded) model, by our clean names."""
-    from train.model import clean_name
-
-    return {clean_name(n): p for n, p in model.named_parameters() if is_adapter(clean_name(n))}
