@@ -36,7 +36,8 @@ class StrategyConfig:
     """How the model is parallelised. Degrees multiply to the world size.
 
     ``-1`` in a degree means "fill the ranks the other degrees leave". The mesh is
-    (pipeline_parallel, dp_replicate, dp_shard, tensor_parallel), tensor parallel innermost.
+    (pipeline_parallel, dp_replicate, dp_shard, cp, tensor_parallel), tensor parallel
+    innermost and context parallel next to it, both inside a node first.
     """
 
     name: str = "ddp"
@@ -71,8 +72,10 @@ class StrategyConfig:
     # ("highest"), e.g. for mixed_precision=fp32 runs compared bit for bit. Under bf16 it
     # touches only what stays fp32. CPU runs are IEEE fp32 either way.
     tf32: bool = True
-    # Context parallel: each sequence split over this many ranks of the data-parallel
-    # dimension (docs/finetune.md "Long sequences"); 1 = off.
+    # Context parallel: each sequence split over this many ranks, DeepSpeed-Ulysses'
+    # all-to-all over attention heads (train/context_parallel.py, docs/finetune.md "Long
+    # sequences"). The ranks it takes come out of the data-parallel degree (world / (pp x tp
+    # x cp)): multiply train.grad_accum by cp to keep the global batch. 1 = off.
     cp: int = 1
 
 

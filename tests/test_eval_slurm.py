@@ -4,8 +4,9 @@ by the high partition, gets one evaluation job per checkpoint (submitted by the 
 script's loop; they run beside the training where the pair's nodes have CPUs left, else
 after it, and a preemption requeues them too), one eval.jsonl row per step and task, none
 twice, none missed; the validation loss rows equal the trainer's ``train.eval_every=5`` at
-the same steps; ``launcher.then=[export,eval]`` waits on the run (afterok), exports a model
-with the trainer's logits, and its eval finds the last step evaluated already. Without
+the same steps; ``launcher.then=[export,eval,"cmd:..."]`` waits on the run (afterok, in
+``scontrol show job``), exports a model with the trainer's logits, finds the last step
+evaluated already, and runs the command on the export. Without
 Slurm: the refusals, the queue's once-only and pinning rules, the batch script."""
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ import pytest
 
 from conftest import REPO, final_states, job_gone, submit_run, wait_until
 from helpers import compose_run
+from launcher import eval as launcher_eval
 from launcher import evaljobs
 from launcher.track import report
 from spec import evals
 from spec.config import ConfigError
 from spec.rundir import read_metrics, read_run_json
 
+CMD = "cmd:ls {export_dir} > {run_dir}/listing.txt"
 WORDS = [{"prompt": f"Document {i}: word{(i * 7) % 50}", "choices": [f" word{(i * 7 + 1) % 50}", " zebra", " x"],
           "label": 0} for i in range(12)]
 
@@ -63,6 +66,13 @@ def test_evaluations_are_refused_when_they_cannot_run_and_queued_once(tmp_path):
         (5, 640, "val", "loss", 3.5, None, "7", 9.0), (10, 1280, "val", "loss", 3.25, None, "8", 9.0),
         (10, 1280, "sto_words", "acc", 0.75, 0.1, "8", 9.0))) + '{"step": 15, "tok')  # a torn last line
     assert report.scores(run) == {"eval_step": 10, "eval_scores": "sto_words/acc=0.75; val/loss=3.25"}
+    trainer = tmp_path / "out" / "checkpoint-40"  # a user's Trainer checkpoint: whole, or sharded state only
+    (trainer / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (trainer / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="only sharded training state .pytorch_model_fsdp_0."):
+        launcher_eval.hf_step(trainer)
+    (trainer / "model.safetensors").write_bytes(b"")
+    assert launcher_eval.hf_step(trainer) == 40
     cfg = compose_run(["+cluster=localslurm", f"eval.tasks=[{task}]", "eval.max_pending=1"])
     text = evaljobs.script(cfg, tmp_path / "run dir", 10, "python", after="7")
     assert "#SBATCH --dependency=afterany:7\n" in text and "#SBATCH --gpus-per-node" not in text
@@ -86,12 +96,16 @@ def test_each_checkpoint_is_evaluated_once_across_a_preemption_and_the_chain_fol
                                "model.vocab_size=320", "train.steps=20", "train.seq_len=32", "train.micro_batch_size=4",
                                "train.eval_every=5", "checkpoint.every_steps=5", "checkpoint.keep=1",
                                "fault.step_delay_s=0.4", "eval.on_checkpoint=true", f"eval.tasks=[{task}]",
-                               "eval.limit=8", "launcher.then=[export,eval]"], tmp_path, env)
+                               "eval.limit=8", "tracking.tensorboard=true", f"launcher.then=[export,eval,'{CMD}']"], tmp_path, env)
+    chain = read_run_json(run_dir)["chain"]
+    shown = subprocess.run(["scontrol", "show", "job", "-o", chain[0]["job_id"]], env=env, capture_output=True,
+                           text=True).stdout
+    assert f"Dependency=afterok:{job}" in shown, shown  # the training still runs (0.4 s a step)
+    assert [e["after"] for e in chain] == [job, chain[0]["job_id"], chain[1]["job_id"]], chain
     wait_until(lambda: len(read_metrics(run_dir)) >= 7, 240, "7 steps of the preemptible run")
     hosts = read_run_json(run_dir)["hostnames"]
     subprocess.run(["sbatch", "--parsable", "-p", "high", "-w", ",".join(hosts), "-N", "2", "--ntasks-per-node=4",
                     "--output=/dev/null", "--wrap", "sleep 2"], env=env, check=True, capture_output=True, text=True)
-    chain = wait_until(lambda: read_run_json(run_dir).get("chain"), 60, "the chain in run.json")
     for j in [job] + [e["job_id"] for e in chain]:
         wait_until(lambda: job_gone(j, env), 300, f"job {j} to leave the queue")
     info = read_run_json(run_dir)
@@ -110,9 +124,15 @@ def test_each_checkpoint_is_evaluated_once_across_a_preemption_and_the_chain_fol
         # step 20's: its own job's, or the chain's eval's (whichever claimed the step first)
         assert r["job_id"] in (next(e["job_id"] for e in jobs if e["step"] == r["step"]), chain[1]["job_id"])
         assert r["tokens"] == r["step"] * read_metrics(run_dir)[0]["tokens_per_step"], r
-    assert [final_states(e["job_id"], env)[-1] for e in chain] == ["COMPLETED", "COMPLETED"]
+    assert [final_states(e["job_id"], env)[-1] for e in chain] == ["COMPLETED"] * 3
+    assert "config.json" in (run_dir / "listing.txt").read_text()  # the command's, after the export
     outputs = [p.read_text() for p in (run_dir / "slurm").glob("*eval-*.out")]
     assert sum("evaluated by another job already" in out for out in outputs) == 1, outputs  # step 20: once
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard" / "eval"))
+    events.Reload()
+    assert sorted(e.step for e in events.Scalars("eval/val/loss")) == [5, 10, 15, 20]  # the run's step axis
     status = subprocess.run([sys.executable, "-m", "launcher.status", str(run_dir)], cwd=REPO, env=env,
                             capture_output=True, text=True).stdout
     assert "eval: step 20: sto_words/acc " in status and "val/loss" in status, status
