@@ -79,6 +79,44 @@ def test_evaluations_are_refused_when_they_cannot_run_and_queued_once(tmp_path):
     assert f"python -m train.eval_job '{tmp_path}/run dir' 10" in text and "HF_DATASETS_OFFLINE=1" in text
 
 
+@pytest.mark.slow
+def test_a_lora_runs_checkpoint_is_evaluated_merged_into_its_base(tmp_path):
+    """train.eval_job on a local LoRA run's checkpoint (no Slurm: the job's own work): the
+    adapters merged into the Hugging Face base, the validation loss the trainer's (merging
+    rounds: 1e-5), lm-eval's task scored, the claim taken once."""
+    import os
+
+    from conftest import launcher, run_dir_of
+    from test_hf import _save_hf
+    from test_prepare import DOCS, prepare
+
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.write("".join(json.dumps({"text": doc}) + "\n" for doc in DOCS * 2))
+    data = tmp_path / "data"
+    assert prepare(str(tmp_path / "docs.jsonl"), "--train-tokenizer", "300", "--out", str(data),
+                   cwd=tmp_path).returncode == 0
+    base = _save_hf(tmp_path / "base", seed=4, num_key_value_heads=2, vocab_size=320)
+    (base / "tokenizer.json").write_bytes((data / "tokenizer.json").read_bytes())
+    task = write_task(tmp_path / "task")
+    proc = launcher(["+peft=lora", f"model.hf_path={base}", "data.source=tokens", f"data.path={data}",
+                     "train.steps=4", "train.seq_len=32", "train.micro_batch_size=4", "train.eval_every=4",
+                     "checkpoint.every_steps=2", f"eval.tasks=[{task}]", "eval.limit=6"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = run_dir_of(proc.stdout)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DATASETS_OFFLINE": "1"}
+    for job in ("5", "6"):  # job 6 finds step 4 claimed by job 5
+        done = subprocess.run([sys.executable, "-m", "train.eval_job", str(run_dir), "4"],
+                              env={**env, "SLURM_JOB_ID": job}, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "evaluated by another job already" in done.stderr
+    rows = {(r["task"], r["metric"]): r for r in evals.rows(run_dir)}
+    assert sorted(rows) == [("sto_words", "acc"), ("val", "loss")] and rows["val", "loss"]["job_id"] == "5"
+    trainer = next(r["val_loss"] for r in read_metrics(run_dir) if r["step"] == 4)
+    assert abs(rows["val", "loss"]["value"] - trainer) <= 1e-5, (rows, trainer)
+    assert evals.read_json(evals.step_dir(run_dir, 4) / "result.json")["status"] == "ok"
+    assert not (evals.step_dir(run_dir, 4) / "hf").exists()  # the export goes once evaluated
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_each_checkpoint_is_evaluated_once_across_a_preemption_and_the_chain_follows(tmp_path, slurm_cluster):

@@ -5,7 +5,7 @@
    (submitted twice across a requeue) ends here, so a step is evaluated once. STEP 0: the
    run's newest committed checkpoint (a chain's ``eval`` step).
 2. Export the checkpoint as a Hugging Face directory (``evals/step_N/hf``, the run's
-   tokenizer with it), then mark it read (``read``): ``checkpoint.keep`` may prune it now.
+   tokenizer with it; a LoRA run's adapters merged into their base), then mark it read (``read``): ``checkpoint.keep`` may prune it now.
 3. The validation loss, when the run's data has a validation split: our model, loaded from
    the checkpoint, over the same ``train.eval_batches`` global batches as the trainer's
    ``train.eval_every`` (each data-parallel rank's share in turn, their mean as the ranks
@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional
 
 from spec import evals
 from spec.config import RunConfig, to_run_config
+from spec.peft import lora_enabled
 from spec.rundir import CHECKPOINTS, CONFIG, TENSORBOARD
 
 
@@ -167,7 +168,12 @@ def evaluate(cfg: RunConfig, run_dir: Path, step: int, ckpt: Path) -> List[Dict[
         tokenizer = Path(cfg.model.hf_path)
     if not (d / "read").exists():  # a requeued attempt finds the export of the first
         shutil.rmtree(d / "hf", ignore_errors=True)
-        export(ckpt, cfg.model, d / "hf", tokenizer=tokenizer, eos_token_id=eos, bos_token_id=bos)
+        source = None
+        if lora_enabled(cfg):  # the adapters merged into their base: a whole model for lm-eval
+            from train.lora_io import merged_source
+
+            source = merged_source(ckpt, cfg)
+        export(ckpt, cfg.model, d / "hf", tokenizer=tokenizer, eos_token_id=eos, bos_token_id=bos, source=source)
         (d / "read").touch()  # the checkpoint may be pruned now: what follows reads the export
     rows = []
     val = validation_loss(cfg, d / "hf", dev)
