@@ -307,3 +307,29 @@ def test_planner_row_against_the_lora_papers_figure():
     assert abs(row.ratio - 1) <= 0.01, row
     assert "174.6e9 frozen + 18.9e6 trained" in row.note
     assert refs.render([row]).splitlines()[-3] in (REPO / "docs" / "planner.md").read_text()
+
+
+def test_chunked_head_loss_trains_the_adapters_as_whole_logits_do():
+    """The head + loss in chunks (model.loss_chunk_tokens) through the frozen head: the same
+    loss and adapter gradients as the whole logits, and no gradient for the head."""
+    from train.lora import prepare_peft
+    from train.model import build_model, materialise
+
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    got = []
+    for chunk in (0, 8):
+        cfg = compose_run(["+peft=lora", "peft.rank=4", f"model.loss_chunk_tokens={chunk}"])
+        model = build_model(cfg.model)
+        prepare_peft(model, cfg)
+        materialise([model], 0, torch.device("cpu"))
+        with torch.no_grad():  # B away from zero, so that A's gradient is not zero too
+            for name, p in model.named_parameters():
+                if name.endswith("lora_B"):
+                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        assert model.output.weight.grad is None
+        got.append((loss.detach(), [p.grad for n, p in model.named_parameters() if n.endswith(("lora_A", "lora_B"))]))
+    assert torch.allclose(got[0][0], got[1][0], rtol=1e-6)
+    for whole, chunked in zip(got[0][1], got[1][1]):
+        assert torch.allclose(whole, chunked, rtol=1e-5, atol=1e-7) and whole.abs().sum() > 0
