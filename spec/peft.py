@@ -5,8 +5,8 @@ the base model a LoRA run's checkpoints belong to.
 - :data:`TARGETS`: PEFT's module name -> ours inside a block (``q_proj`` -> ``attention.wq``);
   ``all-linear`` is every one of them (PEFT's ``all-linear`` leaves out the output head too).
 - :func:`check_peft`: one line naming the field, the value and the fix for what this
-  version does not run (unknown method, rank < 1, a module the model lacks, pipeline or
-  tensor parallel).
+  version does not run (unknown method, rank < 1, a module the model lacks);
+  :func:`check_peft_layout`: pipeline or tensor parallel, refused the same way.
 - :func:`base_identity`: what a checkpoint records of its base (``model.hf_path`` and a
   fingerprint of its ``config.json``, index and safetensors sizes; or the model and the
   seed its initial weights came from), checked at resume (:func:`check_same_base`).
@@ -58,8 +58,9 @@ def is_adapter(name: str) -> bool:
 
 
 def check_peft(cfg: RunConfig) -> None:
-    """Raise ConfigError (field, value, fix) for a ``peft.*`` this version cannot run."""
-    p, s = cfg.peft, cfg.strategy
+    """Raise ConfigError (field, value, fix) for a ``peft.*`` this version cannot run (its
+    layouts: :func:`check_peft_layout`)."""
+    p = cfg.peft
     if p.method not in METHODS:
         raise ConfigError(f"peft.method={p.method!r} is not known; use +peft=lora (peft.method=lora) or "
                           "peft.method=null (full fine-tuning)")
@@ -77,7 +78,14 @@ def check_peft(cfg: RunConfig) -> None:
         what = f"names {unknown[0]!r}, a module" if unknown else "is empty: it names no module"
         raise ConfigError(f"peft.target_modules={list(p.target_modules)} {what} model {cfg.model.name!r} does not "
                           f"have as a LoRA target; its linear layers are {', '.join(TARGETS)} (or all-linear)")
-    for field, degree in (("pipeline_parallel", s.pipeline_parallel), ("tensor_parallel", s.tensor_parallel)):
+
+
+def check_peft_layout(cfg: RunConfig, layout) -> None:
+    """Raise ConfigError for a layout LoRA does not run on (spec.support.check_supported:
+    the launch refuses it, the planner passes it over)."""
+    if not lora_enabled(cfg):
+        return
+    for field, degree in (("pipeline_parallel", layout.pp), ("tensor_parallel", layout.tp)):
         if degree != 1:
             raise ConfigError(f"peft.method=lora with strategy.{field}={degree}: LoRA runs under DDP, FSDP, HSDP "
                               f"and DeepSpeed ZeRO here, not {field.replace('_', ' ')}; use "

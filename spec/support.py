@@ -12,6 +12,7 @@ from spec import ds_config
 from spec.config import ConfigError, RunConfig
 from spec.layout import Layout
 from spec.packing import check_packing
+from spec.peft import check_peft_layout
 
 # (engine, data_parallel) -> "module:EngineBuilder class" (train/strategies/base.py).
 BUILDERS: Dict[Tuple[str, str], str] = {
@@ -43,6 +44,7 @@ def check_supported(cfg: RunConfig, layout: Layout) -> None:
     _check_tp(cfg, layout, key)
     _check_compile(cfg, key)
     check_packing(cfg, layout)
+    check_peft_layout(cfg, layout)
 
 
 def _check_compile(cfg: RunConfig, key: Tuple[str, str]) -> None:

@@ -152,9 +152,13 @@ def assert_exports_load_in_peft(run_dir: Path, scratch: Path) -> None:
 # ---- the tests ----
 
 def _refused(overrides: list, *expected: str) -> None:
+    from spec.layout import build_layout
+    from spec.support import check_supported
+
     cfg = compose_run(overrides)
     with pytest.raises(ConfigError) as err:
         check_peft(cfg)
+        check_supported(cfg, build_layout(cfg))  # the layouts LoRA does not run on
     msg = str(err.value)
     assert "\n" not in msg and all(e in msg for e in expected), msg
 
