@@ -89,8 +89,9 @@ def load_extra(ckpt: Path, rank: int, same_layout: bool = True) -> Dict[str, Any
     size, data-parallel, tensor or pipeline degree: ``same_layout`` false) every rank takes
     rank 0's: the step and loader position are the same in every file, and the RNG states
     are then the same on every rank, as at a fresh start (each rank seeds train.seed); rank
-    ``r``'s own stream would belong to another role. The training itself draws no random
-    numbers (no dropout), so only a user's extension would notice."""
+    ``r``'s own stream would belong to another role. The training draws random numbers
+    only for LoRA's dropout (``peft.dropout`` > 0): resumed on the same layout it draws as
+    the uninterrupted run would, on another its masks differ from there on."""
     path = ckpt / extra_name(rank)
     if not same_layout or not path.exists():
         path = ckpt / extra_name(0)
