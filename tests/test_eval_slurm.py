@@ -152,6 +152,8 @@ def test_each_checkpoint_is_evaluated_once_across_a_preemption_and_the_chain_fol
         evals.submitted(run_dir)), 180, "4 evaluations to end")
     assert [e["step"] for e in jobs] == [5, 10, 15, 20] and all(e["result"]["status"] == "ok" for e in jobs), jobs
     assert [final_states(e["job_id"], env)[-1] for e in jobs] == ["COMPLETED"] * 4
+    # kept for their evaluations while pinned (keep=1), pruned by the last one to read its own
+    assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == ["step_00000020"]
     rows = evals.rows(run_dir)
     assert sorted((r["step"], r["task"], r["metric"]) for r in rows) == sorted(
         (s, t, m) for s in (5, 10, 15, 20) for t, m in (("val", "loss"), ("sto_words", "acc")))  # once each

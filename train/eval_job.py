@@ -175,6 +175,9 @@ def evaluate(cfg: RunConfig, run_dir: Path, step: int, ckpt: Path) -> List[Dict[
             source = merged_source(ckpt, cfg)
         export(ckpt, cfg.model, d / "hf", tokenizer=tokenizer, eos_token_id=eos, bos_token_id=bos, source=source)
         (d / "read").touch()  # the checkpoint may be pruned now: what follows reads the export
+        from train.checkpoint.manager import prune
+
+        prune(run_dir / CHECKPOINTS, cfg.checkpoint.keep)  # those the training kept for evaluations
     rows = []
     val = validation_loss(cfg, d / "hf", dev)
     if val is not None:

@@ -251,11 +251,7 @@ class Checkpointer:
         rank may be writing one already (load_latest removes the stale ones at start-up)."""
         if self.on_commit is not None:
             self.on_commit(step)
-        for old in committed_steps(self.root)[self.keep:]:
-            if evals.pinned(self.root.parent, int(old.name[len("step_"):])):
-                continue
-            shutil.rmtree(old, ignore_errors=True)
-            shutil.rmtree(universal_dir(old), ignore_errors=True)  # DeepSpeed's conversion, if any
+        prune(self.root, self.keep)
 
     def load_latest(self, engine, report: Callable[[str], None]) -> Optional[Dict[str, Any]]:
         """Restore the newest good checkpoint; None if none. Rank 0 checks each
@@ -324,3 +320,14 @@ class Checkpointer:
         if saved is not None and saved != {k: self.shape.get(k) for k in saved}:
             extra["reshaped_from"] = saved
         return extra
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete the committed checkpoints under ``root`` beyond the newest ``keep``, but those
+    an evaluation has yet to read (spec.evals.pinned): rank 0 after each commit, and an
+    evaluation job once it has read its own (train/eval_job.py)."""
+    for old in committed_steps(root)[keep:]:
+        if evals.pinned(root.parent, int(old.name[len("step_"):])):
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(universal_dir(old), ignore_errors=True)  # DeepSpeed's conversion, if any
