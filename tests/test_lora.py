@@ -206,6 +206,9 @@ def test_base_stays_bitwise_and_only_adapters_train():
     for _ in range(3):
         tokens = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=gen)
         engine.train_step([(tokens[:, :-1], tokens[:, 1:])], lr=1e-2)
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    assert torch.equal(engine.eval_loss(batch), engine.eval_loss(batch))  # evaluation: no dropout
+    assert model.layers["0"].attention.wq.lora_dropout.training  # ... and training's back on
     for name, p in model.named_parameters():
         if name in adapters:
             assert not torch.equal(p, before[name]), name

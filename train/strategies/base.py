@@ -307,14 +307,24 @@ def total_grad_norm(params: List[nn.Parameter]) -> torch.Tensor:
 def forward_loss(forward: Callable[..., torch.Tensor], micro_batches: Iterable[Batch], device: torch.device,
                  autocast: Callable[[], contextlib.AbstractContextManager], share: Optional[float]) -> torch.Tensor:
     """The loss of ``forward(inputs, targets)`` (a sum) over the micro-batches / the
-    divisor, without gradients (evaluation)."""
+    divisor, without gradients (evaluation); with dropout (LoRA's ``peft.dropout``) in eval
+    mode, which draws nothing (elsewhere the mode is left alone: a compiled block would be
+    compiled again for it)."""
     batches = list(micro_batches)
     norm = divisor(batches, share)
     total = torch.zeros((), device=device)
-    with torch.no_grad():
-        for batch in batches:
-            with autocast():
-                total += forward(*on_device(batch, device)) / norm
+    drops = [m for m in forward.modules() if isinstance(m, nn.Dropout) and m.p > 0 and m.training] \
+        if isinstance(forward, nn.Module) else []
+    for m in drops:
+        m.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                with autocast():
+                    total += forward(*on_device(batch, device)) / norm
+    finally:
+        for m in drops:
+            m.train()
     return total
 
 
