@@ -83,7 +83,8 @@ def test_evaluations_are_refused_when_they_cannot_run_and_queued_once(tmp_path):
 def test_a_lora_runs_checkpoint_is_evaluated_merged_into_its_base(tmp_path):
     """train.eval_job on a local LoRA run's checkpoint (no Slurm: the job's own work): the
     adapters merged into the Hugging Face base, the validation loss the trainer's (merging
-    rounds: 1e-5), lm-eval's task scored, the claim taken once."""
+    rounds: 1e-5), lm-eval's task scored, the claim taken once, W&B's offline run of the
+    evaluation holding the scores against the run's step."""
     import os
 
     from conftest import launcher, run_dir_of
@@ -100,7 +101,8 @@ def test_a_lora_runs_checkpoint_is_evaluated_merged_into_its_base(tmp_path):
     task = write_task(tmp_path / "task")
     proc = launcher(["+peft=lora", f"model.hf_path={base}", "data.source=tokens", f"data.path={data}",
                      "train.steps=4", "train.seq_len=32", "train.micro_batch_size=4", "train.eval_every=4",
-                     "checkpoint.every_steps=2", f"eval.tasks=[{task}]", "eval.limit=6"], cwd=tmp_path)
+                     "checkpoint.every_steps=2", f"eval.tasks=[{task}]", "eval.limit=6",
+                     "tracking.wandb.project=sto-tests"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = run_dir_of(proc.stdout)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DATASETS_OFFLINE": "1"}
@@ -115,6 +117,15 @@ def test_a_lora_runs_checkpoint_is_evaluated_merged_into_its_base(tmp_path):
     assert abs(rows["val", "loss"]["value"] - trainer) <= 1e-5, (rows, trainer)
     assert evals.read_json(evals.step_dir(run_dir, 4) / "result.json")["status"] == "ok"
     assert not (evals.step_dir(run_dir, 4) / "hf").exists()  # the export goes once evaluated
+    from test_tracking import wandb_records
+
+    from train.tracking import run_id
+
+    [offline] = [r for f in run_dir.glob("wandb/offline-run-*/run-*.wandb") for r in [wandb_records(f)]
+                 if {x.run.run_id for x in r if x.WhichOneof("record_type") == "run"} == {f"{run_id(run_dir)}-eval-4"}]
+    logged = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for x in offline
+              if x.WhichOneof("record_type") == "history" for i in x.history.item}
+    assert logged["train_step"] == 4 and logged["eval/val/loss"] == rows["val", "loss"]["value"], logged
 
 
 @pytest.mark.slurm

@@ -13,7 +13,8 @@
 4. lm-eval's tasks on the export (``eval.tasks``: names, or YAML files whose directories
    go on its include path), offline.
 5. The rows in ``RUN_DIR/eval.jsonl`` (spec.evals.FIELDS), TensorBoard scalars
-   ``eval/TASK/METRIC`` on the run's step axis (``tracking.tensorboard``), and
+   ``eval/TASK/METRIC`` on the run's step axis (``tracking.tensorboard``), a W&B run of
+   its own (``tracking.wandb``: scalars against ``train_step``), and
    ``result.json``; the export is removed. ``--failed CODE`` (the batch script, after a
    non-zero exit or its own timeout) records the failure, unless a result exists.
 """
@@ -147,14 +148,28 @@ def lm_eval_rows(cfg: RunConfig, hf: Path, device: str) -> List[Dict[str, Any]]:
 
 
 def scalars(cfg: RunConfig, run_dir: Path, step: int, rows: List[Dict[str, Any]]) -> None:
-    """TensorBoard's ``eval/TASK/METRIC`` at the run's step (a writer of its own, beside the trainer's)."""
-    if not cfg.tracking.tensorboard:
-        return
-    from torch.utils.tensorboard import SummaryWriter
+    """TensorBoard's ``eval/TASK/METRIC`` at the run's step (a writer of its own, beside the
+    trainer's); W&B: a run of its own per evaluation (job_type ``eval``, grouped by the
+    training run's id, which another process may be writing), its scalars against ``train_step``."""
+    if cfg.tracking.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
 
-    with SummaryWriter(log_dir=str(run_dir / TENSORBOARD / "eval"), filename_suffix=f".step{step}") as tb:
-        for r in rows:
-            tb.add_scalar(f"eval/{r['task']}/{r['metric']}", r["value"], step)
+        with SummaryWriter(log_dir=str(run_dir / TENSORBOARD / "eval"), filename_suffix=f".step{step}") as tb:
+            for r in rows:
+                tb.add_scalar(f"eval/{r['task']}/{r['metric']}", r["value"], step)
+    w = cfg.tracking.wandb
+    if w.project and w.mode != "disabled":
+        import wandb
+
+        from train.tracking import run_id
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        run = wandb.init(project=w.project, entity=w.entity, mode=w.mode, id=f"{run_id(run_dir)}-eval-{step}",
+                         dir=str(run_dir), group=run_id(run_dir), job_type="eval", name=f"{run_dir.name} eval {step}",
+                         tags=list(w.tags) or None, config={"run_id": run_id(run_dir), "step": step}, resume="allow")
+        run.define_metric("eval/*", step_metric="train_step")
+        run.log({"train_step": step, **{f"eval/{r['task']}/{r['metric']}": r["value"] for r in rows}})
+        run.finish()
 
 
 def evaluate(cfg: RunConfig, run_dir: Path, step: int, ckpt: Path) -> List[Dict[str, Any]]:
