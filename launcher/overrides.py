@@ -89,6 +89,16 @@ def chosen_by_global_group(group: str, parsed: List[Any], dirs: List[Path]) -> b
     return False
 
 
+def group_prefix(group: str, overrides: List[str]) -> str:
+    """How to choose ``group`` on top of ``overrides``: ``group=`` where an appended global
+    group's option (a recipe) chose it already, else ``+group=``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    candidates, config_dirs = split_args(overrides)
+    parsed = OverridesParser.create().parse_overrides(overrides=candidates)
+    return f"{group}=" if chosen_by_global_group(group, parsed, search_dirs(config_dirs, parsed)) else f"+{group}="
+
+
 def check_key(key: str) -> Optional[Tuple[Any, Any]]:
     """Raise ConfigError unless ``key`` (dotted) is a field of the schema. (the dataclass
     that declares it, its type hint), or None inside a free-form mapping."""

@@ -107,3 +107,13 @@ def test_what_cannot_fit_is_refused_naming_what_can(tmp_path, chat_dir):
     assert proc.returncode != 0 and "cluster.gpu_mem_gb=40: qwen2_5_math_7b with strategy zero3 is predicted" in \
         proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "in place of +strategy=zero3" in proc.stderr + proc.stdout and not (tmp_path / "runs").exists()
+
+
+def test_the_planner_weighs_every_strategy_against_the_recipe():
+    """The recipe chooses zero3 in its defaults: the planner's other strategies override that
+    choice (strategy=NAME, Hydra's rule) rather than adding a second value (+strategy=NAME)."""
+    proc = warm.run_module("launcher.plan", ["+cluster=h100x8", "+experiment=r1_distill_sft", "plan.format=json"],
+                           cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    names = [row["strategy"] for row in json.loads(proc.stdout)]
+    assert len(names) == len(set(names)) and {"zero3", "fsdp", "ddp"} <= set(names), names

@@ -32,7 +32,7 @@ from launcher.plan.memory import (AC_MODES, CUDA_OVERHEAD, FRAGMENTATION, GB, Me
                                   host_budget)
 from launcher.plan.state_bytes import state_bytes_per_rank
 from launcher.compose import PointComposer, expand, standalone
-from launcher.overrides import CONF_DIR, check_overrides, group_options, split_args
+from launcher.overrides import CONF_DIR, check_overrides, group_options, group_prefix, split_args
 from spec.config import ConfigError, RunConfig
 from spec.validate import validate
 from spec.layout import Layout, build_layout
@@ -228,9 +228,10 @@ def nothing_runnable(cfg: RunConfig, global_batch: Optional[int] = None, mfu: fl
 def plan_point(composer: PointComposer, overrides: List[str], opts: Dict[str, object]):
     """(rows of (name, cfg, plan or ConfigError), base config, global batch, candidates)."""
     given = any(a.lstrip("+").startswith("strategy=") for a in overrides)
+    prefix = group_prefix("strategy", overrides)  # a recipe's strategy is overridden without +
     rows = []
     for name in [None] if given else group_options("strategy"):
-        cfg = compose_with(composer, overrides if name is None else [f"+strategy={name}", *overrides])
+        cfg = compose_with(composer, overrides if name is None else [f"{prefix}{name}", *overrides])
         validate(cfg)  # field errors are the user's, whatever the strategy: exit 2
         try:
             rows.append((cfg.strategy.name, cfg, plan_one(cfg, float(opts["mfu"]))))
