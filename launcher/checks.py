@@ -89,8 +89,10 @@ def already_done(cfg: RunConfig, run_dir: Path, slurm_conf: Optional[str],
     job = str(info.get("job_id", ""))
     # Any unfinished status may still be queued: "requeued" / "interrupted" ones wait in
     # the queue for their next segment under the same job id. A run that ended ("failed",
-    # "stopped") is restarted even while its job is still completing in the queue.
-    if cfg.cluster.backend == "slurm" and not ended(status) and is_job_id(job):
+    # "stopped") is restarted even while its job is still completing in the queue. A run
+    # that stopped inside an allocation the user holds has no segment waiting in it: the
+    # allocation is not requeued for it (launcher/allocation.py), queued or not.
+    if cfg.cluster.backend == "slurm" and not ended(status) and is_job_id(job) and info.get("allocation") != job:
         try:
             found = job in queued if queued is not None else bool(query.squeue([job], query.slurm_env(slurm_conf)))
         except query.SlurmUnavailable:
