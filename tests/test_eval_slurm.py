@@ -4,7 +4,8 @@ by the high partition, gets one evaluation job per checkpoint (submitted by the 
 script's loop; they run beside the training where the pair's nodes have CPUs left, else
 after it, and a preemption requeues them too), one eval.jsonl row per step and task, none
 twice, none missed; the validation loss rows equal the trainer's ``train.eval_every=5`` at
-the same steps; ``launcher.then=[export,eval,"cmd:..."]`` waits on the run (afterok, in
+the same steps; ``launcher.eval`` evaluates the last step again as a job of its own;
+``launcher.then=[export,eval,"cmd:..."]`` waits on the run (afterok, in
 ``scontrol show job``), exports a model with the trainer's logits, finds the last step
 evaluated already, and runs the command on the export. Without
 Slurm: the refusals, the queue's once-only and pinning rules, the batch script."""
@@ -188,3 +189,10 @@ def test_each_checkpoint_is_evaluated_once_across_a_preemption_and_the_chain_fol
                             capture_output=True, text=True).stdout
     assert "eval: step 20: sto_words/acc " in status and "val/loss" in status, status
     assert_export_has_our_logits(run_dir, run_dir / "export-check", data, 320)
+    again = subprocess.run([sys.executable, "-m", "launcher.eval", str(run_dir), "--step", "20", "eval.limit=4"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)  # a finished run's, again
+    assert again.returncode == 0 and "evaluation of step 20: job " in again.stdout, again.stdout + again.stderr
+    redo = again.stdout.split("evaluation of step 20: job ")[1].split()[0]
+    wait_until(lambda: job_gone(redo, env), 180, f"evaluation job {redo}")
+    assert (run_dir / "evals" / "step_00000020.1" / "result.json").is_file()  # the first one's files, aside
+    assert sorted(r["task"] for r in evals.rows(run_dir) if r["job_id"] == redo) == ["sto_words", "val"]
