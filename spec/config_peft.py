@@ -19,3 +19,8 @@ class PeftConfig:
     # Module names as PEFT names them (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
     # down_proj), or "all-linear": every linear layer of the blocks (not the output head).
     target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
+    # After the last step, gather every frozen base tensor and compare it bit for bit with
+    # the base as loaded (model.hf_path's, or the initial weights; run.json "lora_base":
+    # tensors compared, those changed). Reads the whole base once more and gathers it tensor
+    # by tensor: off by default.
+    verify_base: bool = False

@@ -216,6 +216,28 @@ def test_base_stays_bitwise_and_only_adapters_train():
             assert torch.equal(p, before[name]) and p.grad is None, name
 
 
+def test_the_base_check_finds_a_changed_tensor(tmp_path):
+    """peft.verify_base's comparison (train.lora.changed_base), in one process: a model loaded
+    from a Hugging Face base compares equal, tensor by tensor; one element changed is named."""
+    from train.hf_io import export
+    from train.lora import changed_base, prepare_peft
+    from train.lora_io import base_source
+    from train.model import build_model, materialise
+
+    cfg = compose_run(["+peft=lora", "peft.rank=4"])
+    export(Path("unused"), cfg.model, tmp_path / "base", source=base_source(cfg))
+    model = build_model(cfg.model)
+    prepare_peft(model, cfg)
+    materialise([model], 0, torch.device("cpu"), hf_path=str(tmp_path / "base"))
+    frozen = sum(1 for p in model.parameters() if not p.requires_grad)
+    read = base_source(compose_run(["+peft=lora", f"model.hf_path={tmp_path / 'base'}"]))[1]
+    assert changed_base(model, read, cfg.model.tie_embeddings, main=True) == (frozen, [])
+    with torch.no_grad():
+        model.layers["1"].feed_forward.w2.weight[3, 5] += 1e-6
+    assert changed_base(model, read, cfg.model.tie_embeddings, main=True) == (
+        frozen, ["layers.1.feed_forward.w2.weight"])
+
+
 @pytest.mark.slow
 def test_fsdp_lora_trains_as_peft_and_exports_for_it(tmp_path):
     """From a Hugging Face base (transformers' Llama with grouped-query attention): fails at

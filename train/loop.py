@@ -297,7 +297,23 @@ def _steps(task: Task, ckpt: Checkpointer, engine: Engine, loader: ShardedLoader
         profiler.after(step + 1, agreed.profile_due)
         task.faults.after_step()
     ckpt.close()
+    if cfg.peft.verify_base and cfg.peft.method:
+        _verify_base(task, engine)
     return Status.COMPLETED
+
+
+def _verify_base(task: Task, engine) -> None:
+    """peft.verify_base: the frozen base, gathered, bit for bit as loaded (run.json)."""
+    from train.lora import changed_base
+    from train.lora_io import base_source
+
+    cfg = task.cfg
+    compared, changed = changed_base(engine.module, base_source(cfg)[1], cfg.model.tie_embeddings, task.ctx.is_main)
+    if task.ctx.is_main:
+        update_run_json(task.run_dir, lora_base={"compared": compared, "changed": changed})
+        base = cfg.model.hf_path or f"the initial weights of seed {cfg.train.seed}"
+        task.log(f"LoRA base after the last step: {compared} frozen tensors compared with {base}, "
+                 f"{len(changed)} changed{': ' + ', '.join(changed[:5]) if changed else ''}")
 
 
 def _report(task: Task, meter: Meter, tracking: Tracking, step: int, lr: float, agreed: Agreed, dt: float,

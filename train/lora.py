@@ -83,3 +83,40 @@ def prepare_peft(model: nn.Module, cfg) -> None:
     if lora_enabled(cfg):
         apply_lora(model, cfg.peft, target_names(cfg))
 
+
+
+def _gathered(p: torch.Tensor) -> torch.Tensor:
+    """The whole of parameter ``p`` (collective for a sharded one: FSDP2's DTensor,
+    DeepSpeed ZeRO-3's partitioned parameter), on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        return p.full_tensor().cpu()
+    if hasattr(p, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p]):
+            return p.data.detach().cpu().clone()
+    return p.detach().cpu()
+
+
+def changed_base(model: nn.Module, read, tied: bool, main: bool) -> Tuple[int, list]:
+    """(frozen tensors compared, names of those not bit for bit the base's): ``peft.verify_base``.
+    ``read(names)``: the base's tensors by our names (train.lora_io.base_source: model.hf_path's,
+    or the initial weights). Collective (every rank gathers each tensor in the same order);
+    rank ``main`` reads the base and compares. A tied head is its embedding."""
+    from train.model import clean_name
+
+    compared, changed = 0, []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        ours = clean_name(name)
+        full = _gathered(p)
+        if not main:
+            continue
+        want = read(["tok_embeddings.weight" if tied and ours == "output.weight" else ours])
+        compared += 1
+        if not torch.equal(full, next(iter(want.values())).to(full.dtype)):
+            changed.append(ours)
+    return compared, changed
