@@ -168,7 +168,7 @@ def status_lines(run_dir: Path, env: Dict[str, str]) -> List[str]:
                for e in waiting] + [f"step {e['step']} queued" for e in queue]
     if pending:
         lines.append(f"eval: pending: {', '.join(pending)}")
-    failed = [e for e in jobs if (e["result"] or {}).get("status") == "failed"]
+    failed = [e for e in jobs if (e["result"] or {}).get("outcome") == "failed"]
     lines += [f"eval: step {e['step']} job {e['job_id']} failed: {e['result'].get('error')}" for e in failed]
     return lines
 

@@ -63,6 +63,11 @@ def test_evaluations_are_refused_when_they_cannot_run_and_queued_once(tmp_path):
     assert evals.pinned(run, 5) and not evals.enqueue(run, 5, 1280, "step_00000005")  # submitted: not again
     (evals.step_dir(run, 5) / "read").touch()
     assert not evals.pinned(run, 5)
+    from train.eval_job import record_failure  # the batch script's call after the job's own timeout
+
+    record_failure(run, 5, 124)
+    assert evaljobs.status_lines(run, {}) == ["eval: step 5 job 7 failed: its time limit"]
+    assert evaljobs.in_flight(run) == []
     (run / evals.ROWS).write_text("".join(json.dumps(dict(zip(evals.FIELDS, row))) + "\n" for row in (
         (5, 640, "val", "loss", 3.5, None, "7", 9.0), (10, 1280, "val", "loss", 3.25, None, "8", 9.0),
         (10, 1280, "sto_words", "acc", 0.75, 0.1, "8", 9.0))) + '{"step": 15, "tok')  # a torn last line
@@ -116,7 +121,7 @@ def test_a_lora_runs_checkpoint_is_evaluated_merged_into_its_base(tmp_path):
     assert sorted(rows) == [("sto_words", "acc"), ("val", "loss")] and rows["val", "loss"]["job_id"] == "5"
     trainer = next(r["val_loss"] for r in read_metrics(run_dir) if r["step"] == 4)
     assert abs(rows["val", "loss"]["value"] - trainer) <= 1e-5, (rows, trainer)
-    assert evals.read_json(evals.step_dir(run_dir, 4) / "result.json")["status"] == "ok"
+    assert evals.read_json(evals.step_dir(run_dir, 4) / "result.json")["outcome"] == "ok"
     assert not (evals.step_dir(run_dir, 4) / "hf").exists()  # the export goes once evaluated
     from test_tracking import wandb_records
 
@@ -162,7 +167,7 @@ def test_each_checkpoint_is_evaluated_once_across_a_preemption_and_the_chain_fol
     assert info["status"] == "completed" and info["preemptions"] >= 1, info
     jobs = wait_until(lambda: (lambda s: s if len(s) == 4 and all(e["result"] for e in s) else None)(
         evals.submitted(run_dir)), 180, "4 evaluations to end")
-    assert [e["step"] for e in jobs] == [5, 10, 15, 20] and all(e["result"]["status"] == "ok" for e in jobs), jobs
+    assert [e["step"] for e in jobs] == [5, 10, 15, 20] and all(e["result"]["outcome"] == "ok" for e in jobs), jobs
     assert [final_states(e["job_id"], env)[-1] for e in jobs] == ["COMPLETED"] * 4
     # kept for their evaluations while pinned (keep=1), pruned by the last one to read its own
     assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == ["step_00000020"]

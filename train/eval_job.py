@@ -227,7 +227,7 @@ def record_failure(run_dir: Path, step: int, code: int) -> int:
     d = evals.step_dir(run_dir, step)
     if not (d / "result.json").exists():
         why = "its time limit" if code == 124 else f"exit status {code}"
-        evals.write_json(d / "result.json", {"status": "failed", "job_id": job_id(), "error": why})
+        evals.write_json(d / "result.json", {"outcome": "failed", "job_id": job_id(), "error": why})
     shutil.rmtree(d / "hf", ignore_errors=True)
     return 0
 
@@ -246,7 +246,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"step {step} of {run_dir} is evaluated by another job already: nothing to do", file=sys.stderr)
         return 0
     if ckpt is None and not (d / "read").exists():
-        evals.write_json(d / "result.json", {"status": "failed", "job_id": job_id(),
+        evals.write_json(d / "result.json", {"outcome": "failed", "job_id": job_id(),
                                              "error": f"no committed checkpoint of step {step}"})
         print(f"error: {run_dir} has no committed checkpoint of step {step}", file=sys.stderr)
         return 2
@@ -254,7 +254,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         rows = lm_eval_rows(cfg, args.hf, eval_device()) if args.hf is not None else evaluate(cfg, run_dir, step, ckpt)
     except Exception as exc:  # recorded; the training never depends on it
-        evals.write_json(d / "result.json", {"status": "failed", "job_id": job_id(), "error": repr(exc)[:500]})
+        evals.write_json(d / "result.json", {"outcome": "failed", "job_id": job_id(), "error": repr(exc)[:500]})
         raise
     seconds = round(time.monotonic() - t0, 3)
     tokens = tokens_at(run_dir, step)
@@ -262,7 +262,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not any(r["step"] == step and r["job_id"] == job_id() for r in evals.rows(run_dir)):  # not a requeue's repeat
         append_rows(run_dir, full)
     scalars(cfg, run_dir, step, full)
-    evals.write_json(d / "result.json", {"status": "ok", "job_id": job_id(), "seconds": seconds, "rows": len(full)})
+    evals.write_json(d / "result.json", {"outcome": "ok", "job_id": job_id(), "seconds": seconds, "rows": len(full)})
     print(f"evaluated step {step} of {run_dir}: {len(full)} row(s) in {seconds} s", file=sys.stderr)
     return 0
 
