@@ -341,7 +341,7 @@ def test_every_deepspeed_build_sees_the_harness_device(monkeypatch):
 
     def initialize(**kwargs):
         seen.append(("initialize", os.environ["LOCAL_RANK"]))
-        return SimpleNamespace(module=None, optimizer=None, zero_optimization_stage=lambda: 3), None, None, None
+        return SimpleNamespace(module=torch.nn.Module(), optimizer=None, zero_optimization_stage=lambda: 3), None, None, None
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(ds_strategy, "partitioned_build", build)

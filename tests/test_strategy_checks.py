@@ -48,10 +48,11 @@ def test_refused(overrides, message):
         check_supported(cfg, build_layout(cfg))
 
 
+# shape: (pp, dp_replicate, dp_shard, cp, tp), the mesh's axes outermost first
 @pytest.mark.parametrize("strategy,ranks,shape", [
-    ("tp", 2, (1, 1, 1, 2)), ("tp", 8, (1, 4, 1, 2)), ("fsdp_tp", 2, (1, 1, 1, 2)), ("fsdp_tp", 8, (1, 1, 4, 2)),
-    ("hsdp", 4, (1, 1, 4, 1)), ("pp", 2, (2, 1, 1, 1)), ("pp", 8, (2, 4, 1, 1)), ("pp_fsdp_tp", 4, (2, 1, 1, 2)),
-    ("pp_fsdp_tp", 8, (2, 1, 2, 2)),
+    ("tp", 2, (1, 1, 1, 1, 2)), ("tp", 8, (1, 4, 1, 1, 2)), ("fsdp_tp", 2, (1, 1, 1, 1, 2)),
+    ("fsdp_tp", 8, (1, 1, 4, 1, 2)), ("hsdp", 4, (1, 1, 4, 1, 1)), ("pp", 2, (2, 1, 1, 1, 1)),
+    ("pp", 8, (2, 4, 1, 1, 1)), ("pp_fsdp_tp", 4, (2, 1, 1, 1, 2)), ("pp_fsdp_tp", 8, (2, 1, 2, 1, 2)),
 ])
 def test_supported_layouts(strategy, ranks, shape):
     cfg = compose_run([f"+strategy={strategy}", f"cluster.gpus_per_node={ranks}"])
@@ -67,9 +68,9 @@ def test_tp_alone():
 
 def test_hsdp_replicates_across_nodes_and_shards_inside():
     cfg = compose_run(["+strategy=hsdp", "cluster.nodes=3", "cluster.gpus_per_node=4"])
-    assert build_layout(cfg).shape == (1, 3, 4, 1)
+    assert build_layout(cfg).shape == (1, 3, 4, 1, 1)
     cfg = compose_run(["+strategy=hsdp", "cluster.nodes=2", "cluster.gpus_per_node=8", "strategy.tensor_parallel=2"])
-    assert build_layout(cfg).shape == (1, 2, 4, 2)
+    assert build_layout(cfg).shape == (1, 2, 4, 1, 2)
 
 
 @pytest.mark.parametrize("gpus,domain", [(1, 1), (2, 2), (4, 4), (8, 8)])
