@@ -83,6 +83,9 @@ def hf_step(hf: Path) -> int:
         why = f"only sharded training state ({sharded[0]})" if sharded else "no model weights"
         raise ConfigError(f"--hf {hf}: {why}; lm-eval needs the whole model: save it gathered (DeepSpeed "
                           "stage3_gather_16bit_weights_on_model_save=true, FSDP's FULL_STATE_DICT) or convert it first")
+    if not (hf / "tokenizer_config.json").is_file():
+        raise ConfigError(f"--hf {hf}: no tokenizer_config.json there; lm-eval needs the model's tokenizer with its "
+                          "EOS token named: save the tokenizer with the model (Trainer(processing_class=...))")
     found = re.search(r"(\d+)$", hf.name)
     return int(found.group(1)) if found else 1
 

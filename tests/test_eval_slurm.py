@@ -12,6 +12,7 @@ Slurm: the refusals, the queue's once-only and pinning rules, the batch script."
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -78,6 +79,9 @@ def test_evaluations_are_refused_when_they_cannot_run_and_queued_once(tmp_path):
     with pytest.raises(ConfigError, match="only sharded training state .pytorch_model_fsdp_0."):
         launcher_eval.hf_step(trainer)
     (trainer / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="no tokenizer_config.json there"):
+        launcher_eval.hf_step(trainer)
+    (trainer / "tokenizer_config.json").write_text("{}")
     assert launcher_eval.hf_step(trainer) == 40
     cfg = compose_run(["+cluster=localslurm", f"eval.tasks=[{task}]", "eval.max_pending=1"])
     text = evaljobs.script(cfg, tmp_path / "run dir", 10, "python", after="7")
@@ -90,7 +94,8 @@ def test_a_lora_runs_checkpoint_is_evaluated_merged_into_its_base(tmp_path):
     """train.eval_job on a local LoRA run's checkpoint (no Slurm: the job's own work): the
     adapters merged into the Hugging Face base, the validation loss the trainer's (merging
     rounds: 1e-5), lm-eval's task scored, the claim taken once, W&B's offline run of the
-    evaluation holding the scores against the run's step."""
+    evaluation holding the scores against the run's step; then a whole Hugging Face
+    directory (a Trainer's checkpoint-N, ``--hf``) scored as step N."""
     import os
 
     from conftest import launcher, run_dir_of
@@ -123,6 +128,15 @@ def test_a_lora_runs_checkpoint_is_evaluated_merged_into_its_base(tmp_path):
     assert abs(rows["val", "loss"]["value"] - trainer) <= 1e-5, (rows, trainer)
     assert evals.read_json(evals.step_dir(run_dir, 4) / "result.json")["outcome"] == "ok"
     assert not (evals.step_dir(run_dir, 4) / "hf").exists()  # the export goes once evaluated
+    trainer_dir = tmp_path / "out" / "checkpoint-40"  # a user's Trainer checkpoint: a whole HF model
+    shutil.copytree(base, trainer_dir)
+    from train.hf_io import tokenizer_config  # as a Trainer saves its tokenizer: the EOS named
+
+    tokenizer_config(trainer_dir, json.loads((data / "manifest.json").read_text())["eos_id"], None)
+    done = subprocess.run([sys.executable, "-m", "train.eval_job", str(run_dir), "40", "--hf", str(trainer_dir)],
+                          env={**env, "SLURM_JOB_ID": "7"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [(r["task"], r["metric"]) for r in evals.rows(run_dir) if r["step"] == 40] == [("sto_words", "acc")]
     from test_tracking import wandb_records
 
     from train.tracking import run_id
