@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 EVALS = "evals"
 ROWS = "eval.jsonl"
@@ -125,9 +125,10 @@ def every(eval_every: Optional[int], checkpoint_every: Optional[int]) -> int:
     return eval_every if eval_every is not None else (checkpoint_every or 0)
 
 
-def enqueuer(every_steps: int, last: int, run_dir: Path, tokens_per_step: int):
-    """The Checkpointer's ``on_commit`` (rank 0): queue each chosen committed step once."""
+def enqueuer(every_steps: int, last: Callable[[], int], run_dir: Path, tokens_per_step: int):
+    """The Checkpointer's ``on_commit`` (rank 0): queue each chosen committed step once.
+    ``last()``: the run's last step as the schedule resolved it (train.epochs sets it at start)."""
     def on_commit(step: int) -> None:
-        if chosen(every_steps, step, last):
+        if chosen(every_steps, step, last()):
             enqueue(run_dir, step, step * tokens_per_step, f"step_{int(step):08d}")
     return on_commit

@@ -29,7 +29,8 @@ def trainer(task: Task) -> Status:
     on_commit = None
     if cfg.eval.on_checkpoint and task.ctx.is_main:  # the evaluation queue (spec/evals.py)
         t = cfg.train
-        on_commit = evals.enqueuer(evals.every(cfg.eval.every_steps, cfg.checkpoint.every_steps), t.steps,
+        on_commit = evals.enqueuer(evals.every(cfg.eval.every_steps, cfg.checkpoint.every_steps),
+                                   lambda: task.cfg.train.steps,  # the loop resolves train.epochs into task.cfg
                                    task.run_dir, t.micro_batch_size * t.grad_accum * task.layout.dp * t.seq_len)
     ckpt = Checkpointer(task.run_dir / "checkpoints", task.ctx.rank, keep=cfg.checkpoint.keep,
                         shape=run_shape(cfg, task.layout), faults=task.faults, watchdog=task.watchdog,
