@@ -68,7 +68,8 @@ FLOOR_TESTS := tests/test_torch_compat.py tests/test_checkpoint_reader.py tests/
   tests/test_reshard.py::test_fsdp_resumed_with_tensor_parallel \
   tests/test_hf.py::test_forward_matches_transformers tests/test_hf.py::test_bad_checkpoints_are_refused_naming_what_is_wrong \
   $(foreach c,fsdp zero3 tp pp,'tests/test_hf.py::test_import_then_export_gives_back_the_tensors[$(c)]') \
-  'tests/test_hf.py::test_trained_export_loads_in_transformers_with_our_logits[fsdp]'
+  'tests/test_hf.py::test_trained_export_loads_in_transformers_with_our_logits[fsdp]' \
+  tests/test_context_parallel.py tests/test_lora.py::test_fsdp_lora_trains_as_peft_and_exports_for_it
 .PHONY: test-torch-floor
 test-torch-floor: $(FLOOR_STAMP)
 	$(DEPS) build
