@@ -31,6 +31,8 @@ from spec.rundir import CONFIG
 #: seconds before eval.time_min at which the job's own timeout ends the evaluation, so that
 #: it records its failure before Slurm's kill.
 MARGIN_S = 30
+#: sacct states of a job not ended yet (a requeued one waits again).
+ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "RESIZING", "SUSPENDED")
 
 
 def check(cfg: RunConfig) -> None:
@@ -122,8 +124,11 @@ def in_flight(run_dir: Path) -> List[str]:
 def submit_step(cfg: RunConfig, run_dir: Path, step: int, tokens: int, python: str, env: Dict[str, str],
                 extra: Sequence[str] = ()) -> str:
     """Submit one evaluation (a dependency on an earlier one beyond eval.max_pending); its job id."""
-    running = in_flight(run_dir)
-    after = running[-cfg.eval.max_pending] if len(running) >= cfg.eval.max_pending else None
+    running, cap = in_flight(run_dir), cfg.eval.max_pending
+    if len(running) >= cap:  # only those still queued: one that ended without a result (a node
+        queued = query.squeue(running, env)  # failure, scancel) may be purged, and sbatch refuses
+        running = [j for j in running if j in queued]  # a dependency on a job it does not know
+    after = running[-cap] if len(running) >= cap else None
     path = run_dir / "slurm" / f"eval-step_{step:08d}.sbatch"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script(cfg, run_dir, step, python, after, extra))
@@ -164,8 +169,11 @@ def status_lines(run_dir: Path, env: Dict[str, str]) -> List[str]:
             states = query.sacct([e["job_id"] for e in waiting], env)
         except query.SlurmUnavailable:
             states = {}
-    pending = [f"step {e['step']} job {e['job_id']} {(states.get(e['job_id']) or {}).get('State', 'unknown')}"
-               for e in waiting] + [f"step {e['step']} queued" for e in queue]
+    def state(e: Dict) -> str:
+        found = (states.get(e["job_id"]) or {}).get("State", "unknown")
+        return found if found in ACTIVE or found == "unknown" else f"{found}, ended without a result"
+    pending = [f"step {e['step']} job {e['job_id']} {state(e)}" for e in waiting] + \
+        [f"step {e['step']} queued" for e in queue]
     if pending:
         lines.append(f"eval: pending: {', '.join(pending)}")
     failed = [e for e in jobs if (e["result"] or {}).get("outcome") == "failed"]

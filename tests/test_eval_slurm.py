@@ -44,7 +44,7 @@ def write_task(root) -> str:
     return str(root / "sto_words.yaml")
 
 
-def test_evaluations_are_refused_when_they_cannot_run_and_queued_once(tmp_path):
+def test_evaluations_are_refused_when_they_cannot_run_and_queued_once(tmp_path, monkeypatch):
     task = write_task(tmp_path / "task")
     for overrides, says in ((["eval.on_checkpoint=true", f"eval.tasks=[{task}]"], "evaluations are Slurm jobs"),
                             (["+cluster=localslurm", "eval.on_checkpoint=true"], "eval.tasks=[]"),
@@ -84,6 +84,16 @@ def test_evaluations_are_refused_when_they_cannot_run_and_queued_once(tmp_path):
     (trainer / "tokenizer_config.json").write_text("{}")
     assert launcher_eval.hf_step(trainer) == 40
     cfg = compose_run(["+cluster=localslurm", f"eval.tasks=[{task}]", "eval.max_pending=1"])
+    # the cap waits on an earlier evaluation still queued; one gone without a result is no dependency
+    submitted = []
+    monkeypatch.setattr(evaljobs.query, "sbatch", lambda path, env: submitted.append(path) or str(20 + len(submitted)))
+    monkeypatch.setattr(evaljobs.query, "squeue", lambda ids, env: {"8": "RUNNING"} if "8" in ids else {})
+    evals.write_json(evals.step_dir(run, 10) / "job.json", {"step": 10, "job_id": "8"})
+    assert evaljobs.submit_step(cfg, run, 15, 0, "python", {}) == "21"
+    assert "#SBATCH --dependency=afterany:8\n" in (run / "slurm" / "eval-step_00000015.sbatch").read_text()
+    monkeypatch.setattr(evaljobs.query, "squeue", lambda ids, env: {})  # job 8 and 21 gone without a result
+    evaljobs.submit_step(cfg, run, 20, 0, "python", {})
+    assert "--dependency" not in (run / "slurm" / "eval-step_00000020.sbatch").read_text()
     text = evaljobs.script(cfg, tmp_path / "run dir", 10, "python", after="7")
     assert "#SBATCH --dependency=afterany:7\n" in text and "#SBATCH --gpus-per-node" not in text
     assert f"python -m train.eval_job '{tmp_path}/run dir' 10" in text and "HF_DATASETS_OFFLINE=1" in text
