@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from slurm import query, sbatch
+from slurm import query, sbatch, states
 from spec import evals
 from spec.config import ConfigError, RunConfig, to_run_config
 from spec.rundir import CONFIG
@@ -31,8 +31,6 @@ from spec.rundir import CONFIG
 #: seconds before eval.time_min at which the job's own timeout ends the evaluation, so that
 #: it records its failure before Slurm's kill.
 MARGIN_S = 30
-#: sacct states of a job not ended yet (a requeued one waits again).
-ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "RESIZING", "SUSPENDED")
 
 
 def check(cfg: RunConfig) -> None:
@@ -163,15 +161,15 @@ def status_lines(run_dir: Path, env: Dict[str, str]) -> List[str]:
         scores = "  ".join(f"{k} {v:.4g}" for k, v in sorted(newest["scores"].items()))
         lines.append(f"eval: step {newest['step']}: {scores}")
     waiting = [e for e in jobs if e["result"] is None]
-    states: Dict[str, Dict[str, str]] = {}
+    found: Dict[str, Dict[str, str]] = {}
     if waiting:
         try:
-            states = query.sacct([e["job_id"] for e in waiting], env)
+            found = query.sacct([e["job_id"] for e in waiting], env)
         except query.SlurmUnavailable:
-            states = {}
+            found = {}
     def state(e: Dict) -> str:
-        found = (states.get(e["job_id"]) or {}).get("State", "unknown")
-        return found if found in ACTIVE or found == "unknown" else f"{found}, ended without a result"
+        now = (found.get(e["job_id"]) or {}).get("State", "unknown")
+        return now if now == "unknown" or now.split()[0] in states.ACTIVE else f"{now}, ended without a result"
     pending = [f"step {e['step']} job {e['job_id']} {state(e)}" for e in waiting] + \
         [f"step {e['step']} queued" for e in queue]
     if pending:

@@ -94,6 +94,10 @@ def test_evaluations_are_refused_when_they_cannot_run_and_queued_once(tmp_path, 
     monkeypatch.setattr(evaljobs.query, "squeue", lambda ids, env: {})  # job 8 and 21 gone without a result
     evaljobs.submit_step(cfg, run, 20, 0, "python", {})
     assert "--dependency" not in (run / "slurm" / "eval-step_00000020.sbatch").read_text()
+    monkeypatch.setattr(evaljobs.query, "sacct", lambda ids, env: {"8": {"State": "NODE_FAIL"},
+                                                                   "21": {"State": "RUNNING"}})
+    assert "step 10 job 8 NODE_FAIL, ended without a result, step 15 job 21 RUNNING" in "\n".join(
+        evaljobs.status_lines(run, {}))
     text = evaljobs.script(cfg, tmp_path / "run dir", 10, "python", after="7")
     assert "#SBATCH --dependency=afterany:7\n" in text and "#SBATCH --gpus-per-node" not in text
     assert f"python -m train.eval_job '{tmp_path}/run dir' 10" in text and "HF_DATASETS_OFFLINE=1" in text
