@@ -88,10 +88,9 @@ def script(cfg: RunConfig, item: str, run_dir: Path, after: str, python: str, co
                "time": cfg.launcher.then_time_min, "dependency": f"{cfg.launcher.then_dependency}:{after}",
                "kill-on-invalid-dep": "yes", "output": str(run_dir / "slurm" / f"then-{kind}-%j.out"),
                "partition": c.partition, "account": c.account, "qos": c.qos, "constraint": c.constraint}
-    lines = ["#!/bin/bash"] + [f"#SBATCH --{k}={shlex.quote(str(v))}" for k, v in options.items() if v]
-    lines += list(c.setup) + sbatch.export_lines(c.env) + (code.setup_lines() if code is not None else [])
-    if kind == "eval":  # lm-eval and transformers read nothing from the network
-        lines.append("export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1")
+    lines = sbatch.job_head(options, c.setup, c.env) + (code.setup_lines() if code is not None else [])
+    if kind == "eval":
+        lines.append(evaljobs.OFFLINE)
     lines += [f"cd {shlex.quote(str(run_dir))}", f"exec {command(item, run_dir, python)}"]
     return "\n".join(lines) + "\n"
 

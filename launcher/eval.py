@@ -23,6 +23,7 @@ from typing import List, Optional, Tuple
 from launcher import evaljobs
 from spec import evals
 from spec.config import ConfigError, RunConfig, to_run_config, to_yaml
+from spec.batch import global_batch
 from spec.layout import build_layout
 from spec.rundir import CHECKPOINTS, CONFIG, read_run_json
 
@@ -121,12 +122,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         evaljobs.check_tasks(cfg, "python -m launcher.eval")
         if hf is not None:
             steps, extra = [hf_step(hf)], extra + ["--hf", str(hf)]
-        elif not steps:
-            steps = [s for s in committed(run_dir) if not (evals.step_dir(run_dir, s) / "result.json").exists()]
-        missing = [s for s in steps if hf is None and s not in committed(run_dir)]
-        if missing:
-            raise ConfigError(f"--step {missing[0]}: {run_dir} has no committed checkpoint of that step; its "
-                              f"checkpoints: {committed(run_dir) or 'none'}")
+        else:
+            saved = committed(run_dir)
+            if not steps:
+                steps = [s for s in saved if not (evals.step_dir(run_dir, s) / "result.json").exists()]
+            missing = [s for s in steps if s not in saved]
+            if missing:
+                raise ConfigError(f"--step {missing[0]}: {run_dir} has no committed checkpoint of that step; its "
+                                  f"checkpoints: {saved or 'none'}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -139,7 +142,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     conf = read_run_json(run_dir).get("slurm_conf")
     if conf:
         env["SLURM_CONF"] = conf
-    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.seq_len * build_layout(cfg).dp
+    per_step = global_batch(cfg, build_layout(cfg))[1]  # tokens an optimizer step
     for step in steps:
         if not again(run_dir, step):
             print(f"step {step}: being evaluated (evals/step_{step:08d}/job.json); wait for it", file=sys.stderr)

@@ -31,6 +31,8 @@ from spec.rundir import CONFIG
 #: seconds before eval.time_min at which the job's own timeout ends the evaluation, so that
 #: it records its failure before Slurm's kill.
 MARGIN_S = 30
+#: lm-eval, datasets and transformers read nothing from the network in an evaluation's job.
+OFFLINE = "export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
 
 
 def check(cfg: RunConfig) -> None:
@@ -61,22 +63,10 @@ def check_tasks(cfg: RunConfig, what: str) -> None:
         if t.endswith((".yaml", ".yml")) and not Path(t).is_file():
             raise ConfigError(f"eval.tasks: {t} is not a file; give the task YAML's path (absolute: the job runs "
                               "in the run directory)")
-    if tokenizer(cfg) is None:
+    if evals.tokenizer(cfg)[0] is None:
         raise ConfigError(f"{what}: lm-eval needs the model's tokenizer, and data.source={cfg.data.source} with "
                           f"model.hf_path={cfg.model.hf_path} has none; train on prepared data (data.source=tokens "
                           "or chat: python -m train.data.prepare) or from a Hugging Face directory with tokenizer.json")
-
-
-def tokenizer(cfg: RunConfig) -> Optional[Path]:
-    """The run's tokenizer as the export takes it: the prepared data's copy, else the
-    Hugging Face base model's (train/eval_job.py), else None."""
-    if cfg.data.source in ("tokens", "chat") and cfg.data.path:
-        manifest = evals.read_json(Path(cfg.data.path) / "manifest.json") or {}
-        if manifest.get("tokenizer_copy") and (Path(cfg.data.path) / manifest["tokenizer_copy"]).is_file():
-            return Path(cfg.data.path) / manifest["tokenizer_copy"]
-    if cfg.model.hf_path and (Path(cfg.model.hf_path) / "tokenizer.json").is_file():
-        return Path(cfg.model.hf_path)
-    return None
 
 
 def gpus(cfg: RunConfig) -> int:
@@ -97,10 +87,8 @@ def script(cfg: RunConfig, run_dir: Path, step: int, python: str, after: Optiona
                "constraint": c.constraint, "dependency": f"afterany:{after}" if after else None,
                "output": str(run_dir / "slurm" / f"eval-{name}-%j.out")}
     root = Path(__file__).resolve().parents[1]  # this code's (the run's frozen copy, from the step loop)
-    lines = ["#!/bin/bash"] + [f"#SBATCH --{k}={shlex.quote(str(v))}" for k, v in options.items() if v]
-    lines += ["#SBATCH --requeue"] + list(c.setup) + sbatch.export_lines(c.env)
-    lines += [f"export PYTHONPATH={shlex.quote(str(root))}${{PYTHONPATH:+:$PYTHONPATH}}",
-              "export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1",
+    lines = sbatch.job_head({**options, "requeue": True}, c.setup, c.env)
+    lines += [f"export PYTHONPATH={shlex.quote(str(root))}${{PYTHONPATH:+:$PYTHONPATH}}", OFFLINE,
               f"cd {shlex.quote(str(run_dir))}"]
     job = " ".join([f"{python} -m train.eval_job {shlex.quote(str(run_dir))} {step}", *map(shlex.quote, extra)])
     lines += [f"timeout {max(e.time_min * 60 - MARGIN_S, 60)} {job}", "code=$?",

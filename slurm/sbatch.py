@@ -1,4 +1,5 @@
-"""Pieces of a batch script: the ``export`` lines of a job's environment.
+"""Pieces of a batch script: the ``export`` lines of a job's environment, the head of a
+script the toolkit writes itself (:func:`job_head`).
 
 The script itself is submitit's (:func:`slurm.submitit_adapter.render`): parameters use
 submitit's (= sbatch's) names (job_name, partition, time, nodes, ntasks_per_node,
@@ -27,6 +28,16 @@ def export_lines(env: Mapping[str, str]) -> list[str]:
             raise ValueError(f"environment variable name {key!r} is not a shell identifier")
         lines.append(f"export {key}={shlex.quote(str(env[key]))}")
     return lines
+
+
+def job_head(options: Mapping[str, Any], setup: Sequence[str], env: Mapping[str, str]) -> List[str]:
+    """The first lines of a batch script the toolkit writes itself (a chain's step, an
+    evaluation): ``#SBATCH --key=VALUE`` for each option with a value (shell-quoted; ``True``:
+    the flag alone, ``#SBATCH --requeue``), the site's setup lines (``cluster.setup``),
+    then its environment (``cluster.env``)."""
+    lines = ["#!/bin/bash"] + [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={shlex.quote(str(v))}"
+                               for k, v in options.items() if v]
+    return lines + list(setup) + export_lines(env)
 
 
 def extra_options(extra: Mapping[str, Any]) -> Dict[str, Any]:

@@ -3,8 +3,9 @@ loader (reader) and the launch checks: file names, manifest fields, and the chec
 refuse a run before submission (no torch)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 from spec.config import ConfigError, RunConfig, read_json_in
 
@@ -24,6 +25,16 @@ def chat_files(split: str) -> tuple:
 def read_manifest(path: Path) -> Dict[str, Any]:
     return read_json_in(Path(path), MANIFEST, "data.path", "write the directory with "
                         "`python -m train.data.prepare INPUT... --tokenizer PATH --out DIR`")
+
+
+def tokenizer_of(cfg: RunConfig) -> Tuple[Optional[Path], Optional[int], Optional[int]]:
+    """(tokenizer file, EOS id, BOS id) of the run's prepared data (its manifest), else Nones."""
+    manifest = Path(cfg.data.path or "", MANIFEST) if cfg.data.source in PREPARED else None
+    if manifest is None or not manifest.is_file():
+        return None, None, None
+    info = json.loads(manifest.read_text())
+    tok = info.get("tokenizer_copy")
+    return (Path(manifest.parent, tok) if tok else None), info.get("eos_id"), info.get("bos_id")
 
 
 def check_data(cfg: RunConfig) -> None:

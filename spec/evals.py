@@ -25,6 +25,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from spec.data import tokenizer_of
+
 EVALS = "evals"
 ROWS = "eval.jsonl"
 QUEUE = "queue"
@@ -132,3 +134,15 @@ def enqueuer(every_steps: int, last: Callable[[], int], run_dir: Path, tokens_pe
         if chosen(every_steps, step, last()):
             enqueue(run_dir, step, step * tokens_per_step, f"step_{int(step):08d}")
     return on_commit
+
+
+def tokenizer(cfg) -> tuple:
+    """(tokenizer, EOS id, BOS id) an evaluation exports with the model: the prepared data's
+    (spec.data.tokenizer_of), else model.hf_path's directory when it holds tokenizer.json;
+    (None, None, None) when the run has none (lm-eval cannot run: launcher/evaljobs.py refuses)."""
+    found, eos, bos = tokenizer_of(cfg)
+    if found is not None and found.is_file():
+        return found, eos, bos
+    if cfg.model.hf_path and (Path(cfg.model.hf_path) / "tokenizer.json").is_file():
+        return Path(cfg.model.hf_path), eos, bos
+    return None, None, None

@@ -173,14 +173,11 @@ def scalars(cfg: RunConfig, run_dir: Path, step: int, rows: List[Dict[str, Any]]
 
 
 def evaluate(cfg: RunConfig, run_dir: Path, step: int, ckpt: Path) -> List[Dict[str, Any]]:
-    from train.export import tokenizer_of
     from train.hf_io import export
 
     d = evals.step_dir(run_dir, step)
     dev = eval_device()
-    tokenizer, eos, bos = tokenizer_of(cfg)
-    if tokenizer is None and cfg.model.hf_path and (Path(cfg.model.hf_path) / "tokenizer.json").is_file():
-        tokenizer = Path(cfg.model.hf_path)
+    tokenizer, eos, bos = evals.tokenizer(cfg)
     if not (d / "read").exists():  # a requeued attempt finds the export of the first
         shutil.rmtree(d / "hf", ignore_errors=True)
         source = None

@@ -6,13 +6,13 @@ Users call it as ``python -m launcher.export``, which checks the run directory f
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 from spec.config import to_run_config
+from spec.data import tokenizer_of
 from spec.peft import lora_enabled
 from spec.rundir import CHECKPOINTS, CONFIG
 from train.checkpoint.manifest import find_latest
@@ -32,16 +32,6 @@ def parse(argv):
                    help="a LoRA run (+peft=lora): the base with the adapters merged, as a full model (default: "
                         "the PEFT adapter directory, adapter_config.json + adapter_model.safetensors)")
     return p.parse_args(argv)
-
-
-def tokenizer_of(cfg) -> tuple:
-    """(tokenizer path, eos id, bos id) of the run's prepared data (its manifest), else Nones."""
-    manifest = Path(cfg.data.path or "", "manifest.json") if cfg.data.source in ("tokens", "chat") else None
-    if manifest is None or not manifest.is_file():
-        return None, None, None
-    info = json.loads(manifest.read_text())
-    tok = info.get("tokenizer_copy")
-    return (Path(manifest.parent, tok) if tok else None), info.get("eos_id"), info.get("bos_id")
 
 
 def main(argv=None) -> int:

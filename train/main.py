@@ -20,6 +20,7 @@ from train.harness.run import Task, run_task
 def trainer(task: Task) -> Status:
     """Train up to ``train.steps``, resuming from the newest committed checkpoint."""
     from spec import evals
+    from spec.batch import global_batch
     from spec.rundir import run_shape
     from train.checkpoint import Checkpointer
     from train.checkpoint.policy import SavePolicy
@@ -28,10 +29,9 @@ def trainer(task: Task) -> Status:
     cfg = task.cfg
     on_commit = None
     if cfg.eval.on_checkpoint and task.ctx.is_main:  # the evaluation queue (spec/evals.py)
-        t = cfg.train
         on_commit = evals.enqueuer(evals.every(cfg.eval.every_steps, cfg.checkpoint.every_steps),
                                    lambda: task.cfg.train.steps,  # the loop resolves train.epochs into task.cfg
-                                   task.run_dir, t.micro_batch_size * t.grad_accum * task.layout.dp * t.seq_len)
+                                   task.run_dir, global_batch(cfg, task.layout)[1])
     ckpt = Checkpointer(task.run_dir / "checkpoints", task.ctx.rank, keep=cfg.checkpoint.keep,
                         shape=run_shape(cfg, task.layout), faults=task.faults, watchdog=task.watchdog,
                         policy=SavePolicy.of(cfg, task.run_dir if task.ctx.is_main else None), on_commit=on_commit)
