@@ -48,14 +48,11 @@ rows cannot rot on machines without a GPU (tests/test_gpu_check.py runs it in CI
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -63,41 +60,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import gpu_check_runner as runner  # noqa: E402  (the tree on the path first)
-from bench.gpu_check_runner import Row, Table, dry_run, exited_ok, pythonpath, run_rows  # noqa: E402,F401
+from bench.gpu_check_runner import GPU, Row, Table, dry_run, exited_ok, pythonpath, run_rows  # noqa: E402,F401
+from bench import gpu_check_bigjob, gpu_check_float8, gpu_check_speed  # noqa: E402
+from bench.gpu_check_speed import (DRY_GPU_GB, SPEED, SPEED_BATCHES, SPEED_PEAK_TFLOPS, SPEED_PLANNED,  # noqa: E402,F401
+                                   Speed, beside_torchtitan, speed, speed_batch, speed_dir, steady_rows)
 
-GPU = ["+cluster=local", "cluster.accelerator=gpu", "cluster.gpus_per_node=1"]
 SHORT = ["train.seq_len=128", "data.num_tokens=200000", "train.log_every=1", "train.preflight=false"]
 ENGINES = {"ddp": [], "fsdp": [], "zero1": [], "zero2": [], "zero3": [], "zero3_offload": [],
            "tp": ["strategy.tensor_parallel=1"], "pp": ["strategy.pipeline_parallel=1"],
            "ddp+compile": ["strategy.compile=true"]}
 RESUMED = ("fsdp", "zero2")
 RESUME_RTOL = 0.02   # bf16 on GPU, reductions in another order after a restart
-SPEED = {"ddp": ["+strategy=ddp"], "ddp+compile": ["+strategy=ddp", "strategy.compile=true"],
-         "fsdp+compile": ["+strategy=fsdp", "strategy.compile=true"], "zero2": ["+strategy=zero2"]}
-SPEED_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16 (the datasheet's, not a measurement)
-# Whole logits (as torchtitan, whose loss is never chunked) at the largest micro-batch the
-# planner fits on the GPU under every planned strategy: speed_batch().
-SPEED_RUN = ["+model=llama3_1b", "train.seq_len=2048", "model.loss_chunk_tokens=0", "train.steps=20",
-             "data.num_tokens=800000", "train.preflight=false", "optim.lr=3e-4",
-             f"cluster.peak_tflops_bf16={SPEED_PEAK_TFLOPS}"]
-SPEED_BATCHES = (16, 8, 4)  # tried largest first; the smallest runs when none fits
-SPEED_PLANNED = ("ddp", "fsdp", "zero2")
-DRY_GPU_GB = 79.2  # --dry: the planner's choice for an H100's 79.2 GiB (the speed rows' own path)
-
-
-@dataclass
-class Speed:
-    """The speed rows' micro-batch (torchtitan's too) and the GPU memory it was chosen for."""
-
-    micro_batch: int = SPEED_BATCHES[-1]
-    gpu_mem_gb: Optional[float] = None
-    planned: Dict[str, float] = field(default_factory=dict)  # strategy -> the planner's bytes a GPU
-
-    def overrides(self) -> List[str]:
-        gpu = [f"cluster.gpu_mem_gb={self.gpu_mem_gb:.1f}"] if self.gpu_mem_gb else []
-        return [f"train.micro_batch_size={self.micro_batch}", *gpu]
-
-
 def launcher_argv(*args: str) -> List[str]:
     return [sys.executable, "-m", "launcher", *args]
 
@@ -230,18 +203,9 @@ def rows(scratch: Path, fast: Speed = Speed()) -> List[Row]:
                    exited_ok, run_dir=scratch / "doctor"))
     out.append(Row("parity/bf16", [sys.executable, str(REPO / "bench/gpu_check_rows.py"), "parity", str(scratch)],
                    exited_ok, launch=False, run_dir=scratch, report=parity))
-    for name, extra in SPEED.items():
-        run_dir = speed_dir(scratch, name)
-        out.append(Row(f"speed/{name}", launcher_argv(*GPU, *extra, *SPEED_RUN, *fast.overrides(),
-                                                      f"launcher.run_dir={run_dir}"),
-                       on_nccl, run_dir=run_dir, timeout_s=300.0,
-                       report=functools.partial(speed, planned=fast.planned.get(name.split("+")[0]))))
-    run_dir = speed_dir(scratch, "torchtitan")  # the same model, batch, sequence and compile, torchtitan's loop
-    out.append(Row("speed/torchtitan", [sys.executable, str(REPO / "bench/torchtitan_speed.py"), "--compile",
-                                        "--batch", str(fast.micro_batch),
-                                        "--peak-tflops", str(SPEED_PEAK_TFLOPS), "--out", str(run_dir / "dump"),
-                                        "--json", str(run_dir / "torchtitan.json")],
-                   exited_ok, launch=False, run_dir=run_dir, timeout_s=300.0, report=beside_torchtitan))
+    out += gpu_check_speed.rows(scratch, fast)
+    out += gpu_check_bigjob.rows(scratch)
+    out += gpu_check_float8.rows(scratch)
     return out
 
 
@@ -254,72 +218,6 @@ def parity(row: Row) -> str:
     """Each engine's worst relative loss difference from engine/ddp's over their steps."""
     worst = json.loads((row.run_dir / "parity.json").read_text())
     return ", ".join(f"{name} {100 * w:.2f}%" for name, w in worst.items())
-
-
-def speed_batch(gpu_mem_gb: float) -> Speed:
-    """The largest of SPEED_BATCHES with which the planner (``python -m launcher.plan``, its
-    JSON) fits the speed run, whole logits, on a GPU of ``gpu_mem_gb`` under each of
-    SPEED_PLANNED (the planner's figures were above the measured peaks on an H100: 55.5 GB
-    planned, 45.4 GiB measured at micro-batch 4); the smallest when none fits. With the
-    planner's bytes a GPU of each, which the speed rows report beside their measured peaks
-    (what calibrates its CUDA_OVERHEAD and FRAGMENTATION assumptions)."""
-    plans: dict = {}
-    for micro_batch in SPEED_BATCHES:
-        argv = [sys.executable, "-m", "launcher.plan", *GPU, *SPEED_RUN,
-                *Speed(micro_batch, gpu_mem_gb).overrides(), "plan.format=json", "plan.top=0"]
-        proc = runner.execute(Row("speed:plan", argv, exited_ok, timeout_s=120.0), time.time() + 120.0)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv[1:])} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}")
-        plans = {p["strategy"]: p for p in json.loads(proc.stdout)}
-        if all(plans[s]["fits"] for s in SPEED_PLANNED):
-            break
-    return Speed(micro_batch, gpu_mem_gb, {s: plans[s]["total_bytes"] for s in SPEED_PLANNED})
-
-
-def speed_dir(scratch: Path, name: str) -> Path:
-    """Where the speed row ``name`` runs."""
-    return scratch / f"speed_{name.replace('+', '_')}"
-
-
-def steady_rows(run_dir: Path) -> list:
-    """A speed run's metrics rows of the steps after the fifth (none when it did not run)."""
-    from spec.rundir import read_metrics
-
-    return [r for r in read_metrics(run_dir) if r.get("tokens_per_s") and r["step"] > 5]
-
-
-def beside_torchtitan(row: Row) -> str:
-    """torchtitan's median tokens/s, MFU (our FLOP formula) and peak, and speed/ddp+compile's
-    tokens/s over it (the goal: >= 1.0), when that row ran in this scratch."""
-    from statistics import median
-
-    titan = json.loads((row.run_dir / "torchtitan.json").read_text())
-    text = (f"torchtitan {titan['torchtitan']}: {titan['tokens_per_s']:,.0f} tokens/s, MFU {100 * titan['mfu']:.1f}%, "
-            f"step {titan['step_s']:.3f} s, peak reserved {titan['peak_reserved_gib']} GiB")
-    ours = [r["tokens_per_s"] for r in steady_rows(speed_dir(row.run_dir.parent, "ddp+compile"))]
-    return text + (f"; ddp+compile / torchtitan {median(ours) / titan['tokens_per_s']:.3f}" if ours else "")
-
-
-def speed(row: Row, planned: Optional[float] = None) -> str:
-    """Median tokens/s, MFU and the busiest rank's peak memory (allocated, and the caching
-    allocator's reserved) over the steps after the fifth; ``planned``: the planner's bytes."""
-    from statistics import median
-
-    steady = steady_rows(row.run_dir)
-    if not steady:
-        return "no steps after the fifth in metrics.jsonl"
-    tps = median(r["tokens_per_s"] for r in steady)
-    mfu = median(r["mfu"] for r in steady if r.get("mfu") is not None) if steady[0].get("mfu") is not None else None
-    mem = max(r.get("peak_mem_bytes") or 0 for r in steady) / 2**30
-    mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
-    parts = [f"{name[:-2]} {1000 * median(r[name]['max'] for r in steady):.1f}"
-             for name in ("data_s", "fwd_bwd_s", "optim_s") if all(isinstance(r.get(name), dict) for r in steady)]
-    batch = f"micro-batch {steady[0]['global_batch_size']}, " if steady[0].get("global_batch_size") else ""
-    reserved = max(r.get("peak_reserved_bytes") or 0 for r in steady) / 2**30
-    memory = f"peak {mem:.1f} GiB" + (f", reserved {reserved:.1f} GiB" if reserved else "") + \
-        (f", planned {planned / 2**30:.1f} GiB" if planned else "")
-    return f"{tps:,.0f} tokens/s, MFU {mfu_text}, step {median(r['step_time_s'] for r in steady):.3f} s, " \
-           f"{batch}{memory} ({len(steady)} steps)" + (f"; ms: {', '.join(parts)}" if parts else "")
 
 
 def accelerate_engine(engine: str) -> Callable[[Row, subprocess.CompletedProcess], str]:

@@ -15,6 +15,9 @@ REPO = Path(__file__).resolve().parent.parent
 TAIL_CHARS = 4000     # a failed row's output kept in gpu_check.jsonl
 
 
+# The one-GPU profile every launch row runs under (a local "cluster" of one node, one GPU).
+GPU = ["+cluster=local", "cluster.accelerator=gpu", "cluster.gpus_per_node=1"]
+
 @dataclass
 class Row:
     """One line of the table: a command, where it runs, and how its outcome is judged."""
