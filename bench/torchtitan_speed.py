@@ -14,45 +14,38 @@ registered under ``sto_bench`` (torchtitan's ``register_train_spec``, its docume
 for a model defined outside it), which is llama3's spec with:
 
 - ``model_args``: one flavor ``bench``, a ``TransformerModelArgs`` of the dimensions asked
-  (default Llama 3.2 1B: dim 2048, 16 layers, 32 heads, 8 kv heads, ffn_dim_multiplier
-  1.5 / multiple_of 256 -> 8192, vocab 128256, rope theta 500000);
-- ``build_dataloader_fn``: torchtitan's ``ParallelAwareDataloader`` over uniform random
-  tokens (seeded by the data-parallel rank): nothing is read or downloaded;
-- ``build_tokenizer_fn``: None (the Trainer accepts none; only flex / varlen attention ask
-  for one, and the bench uses sdpa); no validator, no state-dict adapter (no checkpoint);
-- ``build_metrics_processor_fn``: torchtitan's ``build_metrics_processor`` whose logger
-  also hands each step's metrics dict to this script (``metrics.log_freq=1``).
+  (default Llama 3.2 1B: dim 2048, 16 layers, 32 / 8 heads, ffn 8192, vocab 128256);
+- ``build_dataloader_fn``: ``ParallelAwareDataloader`` over uniform random tokens (seeded
+  by the data-parallel rank): nothing is read or downloaded; no tokenizer (only flex /
+  varlen attention ask for one; the bench uses sdpa), validator nor state-dict adapter;
+- ``build_metrics_processor_fn``: torchtitan's, its logger also handing each step's
+  metrics to this script (``metrics.log_freq=1``).
 
 Tokens/s is torchtitan's own ``throughput(tps)`` (tokens per device over the wall time
-between two logged steps, after the step's ``loss.item()`` / ``grad_norm.item()``), its
-median over the steps after ``--warmup``; peak memory is its ``memory/max_active(GiB)`` /
-``max_reserved(GiB)`` (the CUDA allocator's, reset every logged step), the max over those
-steps. MFU is OURS: ``tokens/s per GPU x spec.model_size.flops_per_token(cfg, seq_len) /
-peak`` with ``cfg`` the ModelConfig of the same dimensions (tied embeddings, as the
-project's llama3_1b; the head's matmul counts tied or not, so the count is torchtitan's own
-for its untied model) -- the formula of the built-in trainer's row, so the two rows' ratio
-is the ratio of their tokens/s; torchtitan's own figure is reported beside it.
+between two logged steps), its median over the steps after ``--warmup``; peak memory its
+``memory/max_active(GiB)`` / ``max_reserved(GiB)``, the max over those steps. MFU is OURS:
+tokens/s per GPU x ``spec.model_size.flops_per_token`` of the same dimensions / peak (the
+built-in trainer's formula, which counts the head's matmul as torchtitan does, tied or
+not), so the two rows' ratio is their tokens/s'; torchtitan's own figure is beside it.
 
-Differences that stay: torchtitan 0.2.x's Llama 3 has no weight tying (the output head
+Differences that stay: torchtitan 0.2.x's Llama 3 does not tie its embeddings (the head
 is its own 262M-parameter matrix at the 1B shape: same matmuls, more optimizer state);
-its RoPE carries Llama 3.1's scaling. Precision bf16 is torchtitan's default for one GPU:
-fp32 parameters under ``torch.autocast(bf16)`` (its ``maybe_enable_amp``; FSDP's
-MixedPrecisionPolicy when sharded), the built-in trainer's DDP row does the same.
+its RoPE carries Llama 3.1's scaling. bf16 as the built-in DDP row: fp32 parameters under
+``torch.autocast(bf16)`` (torchtitan's ``maybe_enable_amp`` on one GPU).
 
-Import of torchtitan.train needs ``datasets`` (hf_datasets/text_datasets.py:13, through
-components/validate.py) although no dataset is built; where it is not installed a stub
-module stands in whose functions raise, and the JSON line says ``"datasets": "stub"``.
-``--cpu`` (the proof without a GPU) points torchtitan's device at the CPU
-(``torchtitan.tools.utils.device_type`` = "cpu" and the copies its loaded modules took,
-so gloo; a stand-in for the CUDA calls its metrics make: memory reads null there).
-It runs one process, and two under torchrun as DDP
-(``-- --parallelism.data_parallel_replicate_degree=2 --parallelism.data_parallel_shard_degree=1``);
-FSDP on gloo stops in torch's reduce-scatter (``ReduceOp.PREMUL_SUM``, not in gloo).
+Stand-ins where a package is absent, each raising if called: ``datasets`` (imported by
+torchtitan.train, never used by the synthetic loader; the JSON says ``"datasets":
+"stub"``) and torchtitan's MoE kernels (the one module importing triton, absent from
+torch's CPU build). ``--cpu`` (the proof without a GPU) points torchtitan's device at the
+CPU (gloo; its memory figures read null there), one process or two under torchrun as DDP
+(``-- --parallelism.data_parallel_replicate_degree=2 --parallelism.data_parallel_shard_degree=1``;
+FSDP on gloo stops at ``ReduceOp.PREMUL_SUM``). ``--dry`` prints torchtitan's command line
+and, where torchtitan is installed, checks that its ConfigManager parses it as meant.
 
-Versions: torchtitan 0.2.2 imports and runs on torch 2.11 (the GPU machine) and 2.13;
-0.3.0 needs ``torch.distributed.fsdp.DataParallelMeshDims`` (torch nightly, in 2.13, not
-2.11: torchtitan/distributed/full_dtensor.py:23) and reorganised its config, so this file
-drives the 0.2 API (``torchtitan.train.Trainer`` + ``JobConfig`` + TrainSpec).
+Versions: torchtitan 0.2.2 imports and runs on torch 2.11 (the GPU machine) and 2.13 (run
+here on the CPU, with and without ``--compile``); 0.3.0 needs
+``torch.distributed.fsdp.DataParallelMeshDims`` (not in 2.11) and reorganised its config,
+so this file drives the 0.2 API (``torchtitan.train.Trainer`` + ``JobConfig`` + TrainSpec).
 """
 from __future__ import annotations
 
@@ -208,9 +201,25 @@ def stub_datasets() -> bool:
     return True
 
 
+def stub_moe_kernels() -> bool:
+    """A stand-in for torchtitan's MoE kernels (models/moe/kernels.py, loaded by ``import
+    torchtitan``, the one module importing triton) where triton is absent: torch's CPU build."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None:
+        return False
+
+    def unavailable(*_a, **_k):
+        raise RuntimeError("triton is not installed: torchtitan's MoE kernels are not available")
+
+    kernels = types.ModuleType("torchtitan.models.moe.kernels")
+    kernels.generate_permute_indices = kernels.fill_indices_wrapper = unavailable
+    sys.modules["torchtitan.models.moe.kernels"] = kernels
+    return True
+
+
 class _CpuDevice:
-    """The calls torchtitan makes on ``torch.cuda`` (set_device, memory stats, the peak
-    FLOPs' device name), answered for the CPU; memory figures read 0 there."""
+    """torchtitan's calls on ``torch.cuda`` (device, memory stats, name) answered for the CPU."""
 
     def __init__(self) -> None:
         import torch
@@ -220,8 +229,10 @@ class _CpuDevice:
     def __getattr__(self, name):
         return getattr(self._cpu, name)
 
-    def set_device(self, _device) -> None:
-        pass
+    def _nothing(self, *_a, **_k) -> None:
+        return None
+
+    set_device = reset_peak_memory_stats = empty_cache = synchronize = _nothing
 
     def current_device(self) -> int:
         return 0
@@ -234,15 +245,6 @@ class _CpuDevice:
 
     def memory_stats(self, _device=None) -> Dict[str, int]:
         return {}
-
-    def reset_peak_memory_stats(self, _device=None) -> None:
-        pass
-
-    def empty_cache(self) -> None:
-        pass
-
-    def synchronize(self, _device=None) -> None:
-        pass
 
 
 def use_cpu() -> None:
@@ -324,6 +326,7 @@ def run(args: argparse.Namespace) -> Optional[Dict[str, object]]:
     # torchtitan.config.manager is imported (by ``import torchtitan``): set it first
     sys.argv = [sys.argv[0], *titan_argv(args, dump)]
     stubbed = stub_datasets()
+    stub_moe_kernels()
     if args.cpu:
         use_cpu()
     import torch
@@ -353,15 +356,41 @@ def run(args: argparse.Namespace) -> Optional[Dict[str, object]]:
            "titan_tied_embeddings": False,
            **summarize(seen, args.warmup, fpt, args.peak_tflops)}
     print(json.dumps(out), flush=True)
-    if args.json:
+    if args.json:  # its folder may not exist: torchtitan writes nothing to its dump folder without checkpoints
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out) + "\n")
     return out
+
+
+def parsed_by_torchtitan(args: argparse.Namespace, argv: List[str]) -> str:
+    """``argv`` through torchtitan's ConfigManager where torchtitan is installed, the fields
+    the row depends on read back (exit naming those parsed otherwise)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchtitan") is None:
+        return "not parsed: torchtitan is not installed here"
+    stub_datasets()
+    stub_moe_kernels()
+    import torchtitan
+    from torchtitan.config import ConfigManager
+
+    cfg = ConfigManager().parse_args(argv)
+    want = {("model", "name"): SPEC_NAME, ("model", "flavor"): FLAVOR, ("training", "seq_len"): args.seq_len,
+            ("training", "local_batch_size"): args.batch, ("training", "steps"): args.steps,
+            ("compile", "enable"): args.compile, ("activation_checkpoint", "mode"): args.ac,
+            ("metrics", "log_freq"): 1, ("compile", "components"): ["model", "loss"]}
+    got = {k: getattr(getattr(cfg, k[0]), k[1]) for k in want}
+    wrong = {".".join(k): (got[k], v) for k, v in want.items() if got[k] != v}
+    if wrong:
+        raise SystemExit(f"torchtitan {torchtitan.__version__} parsed the command line otherwise (got, wanted): {wrong}")
+    return f"parsed by torchtitan {torchtitan.__version__}"
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     if args.dry:
-        print(json.dumps({"dry": True, "torchtitan_argv": titan_argv(args, args.out or "DUMP_FOLDER"),
+        titan = titan_argv(args, args.out or "DUMP_FOLDER")
+        print(json.dumps({"dry": True, "torchtitan_argv": titan, "parsed": parsed_by_torchtitan(args, titan),
                           "flops_per_token": flops_per_token(model_config(args), args.seq_len)}))
         return
     run(args)
