@@ -20,7 +20,7 @@ ROWS = {"health", "binding/task", "binding/node", "binding/agent", "hf/zero3", "
         *(f"speed/{s}" for s in ("ddp", "ddp+compile", "fsdp+compile", "zero2", "torchtitan"))}
 ROWS |= set()  # bench/gpu_check_bigjob.py's rows
 ROWS |= set()  # bench/gpu_check_float8.py's rows
-ROWS |= set()  # bench/gpu_check_speed.py's rows beyond the speed runs
+ROWS |= {"speed/loss_128k", "speed/loss_152k"}  # bench/gpu_check_speed.py's rows beyond the speed runs
 
 
 def _gpu_check(*args: str, cwd) -> subprocess.CompletedProcess:
