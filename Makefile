@@ -20,7 +20,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip >/dev/null
-	$(BIN)/python -m pip install -q -c constraints-cpu.txt --config-settings editable_mode=compat -e '.[dev,eval]'
+	$(BIN)/python -m pip install -q -c constraints-cpu.txt --config-settings editable_mode=compat -e '.[dev,eval,float8]'
 	touch $(STAMP)
 
 ## demo: train the tiny model with DDP on 2 local ranks (no Slurm) and print a summary

@@ -5,9 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PYTHON:-python3}
-if ! "$PY" -c "import hydra, submitit, deepspeed" 2>/dev/null; then
+if ! "$PY" -c "import hydra, submitit, deepspeed, torchao" 2>/dev/null; then
   if ! ls .whl/*.whl >/dev/null 2>&1; then
-    echo "gpu-check: $PY lacks hydra/submitit/deepspeed and .whl/ holds no wheels: run \`make gpu-wheels\` on a machine with the registries and carry .whl/" >&2
+    echo "gpu-check: $PY lacks hydra/submitit/deepspeed/torchao and .whl/ holds no wheels: run \`make gpu-wheels\` on a machine with the registries and carry .whl/" >&2
     exit 2
   fi
   site=${GPU_CHECK_SITE:-/tmp/sto-gpu-site}

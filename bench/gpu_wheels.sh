@@ -5,7 +5,8 @@
 #   - the pure-Python packages the toolkit needs that such an image lacks (Hydra, OmegaConf
 #     and its ANTLR runtime, submitit, DeepSpeed -- its sdist builds a pure wheel whose ops
 #     compile there on first use, nvcc and ninja present --, hjson, pydantic);
-#   - the two compiled ones, as CPython 3.12 manylinux wheels (pydantic-core, isal).
+#   - the compiled ones, as CPython 3.12 manylinux wheels (pydantic-core, isal, and torchao for
+#     strategy.float8: its cp310-abi3 wheel, which imports on torch 2.11).
 # The versions are this venv's, so the GPU machine runs what the suite ran here. What the
 # image has already (safetensors, tokenizers, accelerate, transformers, numpy, ...) is not
 # carried; wandb is not needed on that path (tracking off by default).
@@ -17,7 +18,7 @@ version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 mkdir -p "$OUT"
 rm -f "$OUT"/*.whl
 pure=(hydra-core omegaconf antlr4-python3-runtime submitit deepspeed hjson pydantic annotated-types typing-inspection)
-binary=(pydantic-core isal)
+binary=(pydantic-core isal torchao)
 specs=(); for p in "${pure[@]}"; do specs+=("$p==$(version "$p")"); done
 # pip wheel builds sdists (antlr4's runtime, DeepSpeed) into pure wheels; no dependencies.
 DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps -w "$OUT" "${specs[@]}"

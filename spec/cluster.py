@@ -99,6 +99,9 @@ class ClusterConfig:
     peak_tflops_bf16: Optional[float] = None
     # Memory of one GPU in GB (planner); null = unknown.
     gpu_mem_gb: Optional[float] = None
+    # CUDA compute capability of the GPUs (A100 8.0, H100 and H200 9.0); null = unknown.
+    # strategy.float8 needs 8.9 or later: refused at launch below it, checked again at start.
+    gpu_capability: Optional[float] = None
     # Bandwidths in GB/s per GPU (planner cost model): NVLink inside a node, network across.
     intra_node_gbps: Optional[float] = None
     inter_node_gbps: Optional[float] = None

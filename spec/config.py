@@ -77,6 +77,18 @@ class StrategyConfig:
     # sequences"). The ranks it takes come out of the data-parallel degree (world / (pp x tp
     # x cp)): multiply train.grad_accum by cp to keep the global batch. 1 = off.
     cp: int = 1
+    # Float8 training (torchao's convert_to_float8_training; docs/strategies.md "Float8"): the
+    # Linears of the blocks multiply in float8 on GPUs of compute capability 8.9 or later;
+    # refused on CPU, older GPUs, DeepSpeed, tensor or pipeline parallel and LoRA (spec/float8.py).
+    float8: bool = False
+    # "tensorwise" (one scale a tensor) | "rowwise" (one a row; more accurate, slower).
+    float8_recipe: str = "tensorwise"
+    # Linears left in bf16: those whose name contains one of these (torchtitan's filter_fqns);
+    # besides, any whose in/out features are not multiples of 16, and a head tied to the embedding.
+    float8_skip: List[str] = field(default_factory=lambda: ["output"])
+    # FSDP all-gathers the converted weights in float8 (1 byte, not 2); null: where torchao
+    # gives it (tensorwise), false: never; rowwise has none.
+    float8_all_gather: Optional[bool] = None
 
 
 @dataclass

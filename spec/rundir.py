@@ -65,11 +65,13 @@ EXCLUDING_FAILURES = {"node_failure": "node failure", "preflight_outlier": "pref
 # run.json "failure" values of a task that refused to start, before any collective
 # (spec/device.py): no usable CUDA for cluster.accelerator=gpu, or GPUs shown to the task
 # otherwise than cluster.gpu_binding says, or a torch older than the floor
-# (train/torch_compat.py). Not a node's fault: the job ends, no requeue.
+# (train/torch_compat.py), or strategy.float8 on a device without float8 matmuls
+# (train/float8.py). Not a node's fault: the job ends, no requeue.
 NO_CUDA = "no_cuda"
 GPU_BINDING = "gpu_binding"
 TORCH_VERSION = "torch_version"
-START_REFUSALS = (NO_CUDA, GPU_BINDING, TORCH_VERSION)
+FLOAT8_DEVICE = "float8_device"
+START_REFUSALS = (NO_CUDA, GPU_BINDING, TORCH_VERSION, FLOAT8_DEVICE)
 # run.json "failure" of a task that could not join the job's process group (rank 0's port
 # taken, a peer unreachable in time): restarted inside the job on the next step's port,
 # else the job ends (train/harness/outcome.py rendezvous_failed).

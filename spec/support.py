@@ -10,6 +10,7 @@ from typing import Dict, Tuple
 
 from spec import ds_config
 from spec.config import ConfigError, RunConfig
+from spec.float8 import check_float8_layout
 from spec.layout import Layout
 from spec.packing import check_packing
 from spec.peft import check_peft_layout
@@ -45,6 +46,7 @@ def check_supported(cfg: RunConfig, layout: Layout) -> None:
     _check_compile(cfg, key)
     check_packing(cfg, layout)
     check_peft_layout(cfg, layout)
+    check_float8_layout(cfg, layout)
 
 
 def _check_compile(cfg: RunConfig, key: Tuple[str, str]) -> None:

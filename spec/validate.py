@@ -12,6 +12,7 @@ from typing import Any
 
 from spec.ac_modes import NAMES
 from spec.config import ConfigError, RunConfig
+from spec.float8 import check_float8
 from spec.model_size import check_model
 from spec.peft import check_peft
 from spec.schedule import check_length
@@ -62,7 +63,8 @@ _POSITIVE_REAL = ("optim.eps", "model.norm_eps", "model.rope_theta", "model.ffn_
 _OPTIONAL_POSITIVE = ("cluster.peak_tflops_bf16", "cluster.gpu_mem_gb", "cluster.intra_node_gbps",
                       "cluster.inter_node_gbps", "cluster.cpus_per_node", "cluster.node_mem_gb", "model.n_kv_heads",
                       "cluster.fs_write_gbps", "cluster.fs_read_gbps", "cluster.fs_total_write_gbps",
-                      "cluster.fs_total_read_gbps", "cluster.checkpoint_quota_gb", "cluster.failures_per_node_hour")
+                      "cluster.fs_total_read_gbps", "cluster.checkpoint_quota_gb", "cluster.failures_per_node_hour",
+                      "cluster.gpu_capability")
 
 # field: (low, high, high included)
 _RANGES = {
@@ -375,6 +377,7 @@ def validate(cfg: RunConfig, strings: bool = True) -> None:
     check_length(cfg)
     check_model(cfg.model)
     check_peft(cfg)
+    check_float8(cfg)
     m = cfg.model
     if cfg.train.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "

@@ -131,6 +131,9 @@ def _build_and_restore(task: Task, ckpt: Checkpointer) -> Tuple[Engine, Optional
     engine = build()
     task.faults.after_build()
     log(f"rank {ctx.rank} coords {layout.coords(ctx.rank)} device {ctx.device} backend {ctx.backend}")
+    if ctx.is_main and getattr(engine, "float8", None) is not None:  # strategy.float8: train/float8.py
+        log(engine.float8.line())
+        update_run_json(task.run_dir, float8=engine.float8.as_json())
     if ctx.is_main and cfg.model.vocab_size >= AUTO_VOCAB and layout.tp == 1 and layout.pp == 1:
         log(f"head + loss: {f'in chunks of {chunk} tokens' if chunk else 'whole logits'} "
             f"(model.loss_chunk_tokens={'null' if cfg.model.loss_chunk_tokens is None else cfg.model.loss_chunk_tokens}, "

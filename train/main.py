@@ -24,9 +24,11 @@ def trainer(task: Task) -> Status:
     from spec.rundir import run_shape
     from train.checkpoint import Checkpointer
     from train.checkpoint.policy import SavePolicy
+    from train.float8 import require_device
     from train.loop import train
 
     cfg = task.cfg
+    require_device(cfg, task.ctx.device)  # strategy.float8 on a device without float8 matmuls: one line, exit 1
     on_commit = None
     if cfg.eval.on_checkpoint and task.ctx.is_main:  # the evaluation queue (spec/evals.py)
         on_commit = evals.enqueuer(evals.every(cfg.eval.every_steps, cfg.checkpoint.every_steps),

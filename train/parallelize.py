@@ -1,6 +1,7 @@
 """Meta model -> engine, in one fixed order (as torchtitan does):
 
-1. tensor parallel (needs the plain module tree, before any wrapper),
+1. tensor parallel (needs the plain module tree, before any wrapper), then float8's
+   Linears (``strategy.float8``: train/float8.py),
 2. activation checkpointing (wraps each block; must see TP's modules, not FSDP's),
 3. torch.compile per block (compiles the checkpointed, TP-sharded block) and the loss,
 4. the builder's ``wrap``: FSDP shards the meta model (DDP and DeepSpeed wait),
@@ -20,6 +21,7 @@ from spec.ac_modes import ac_mode
 from spec.config import RunConfig
 from spec.layout import Layout
 from spec.support import check_supported
+from train import float8
 from train.context_parallel import apply_cp
 from train.harness.dist import DistContext
 from train.lora import prepare_peft
@@ -79,6 +81,7 @@ def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistCon
     builder = make_builder(cfg, layout, ctx)
     vocab_parallel = keeps_logits_sharded(layout)
     refuse_unsupported_compile(cfg, layout)
+    converted = []  # float8's report (one part: float8 refuses pipeline parallel)
 
     def prepare(part: Transformer) -> None:
         """Steps 1-3 on the whole model, or on one pipeline stage (LoRA's adapters first)."""
@@ -86,10 +89,15 @@ def parallelize(model: Transformer, cfg: RunConfig, layout: Layout, ctx: DistCon
         if layout.tp_enabled:
             apply_tp(part, builder.mesh["tp"], vocab_parallel=vocab_parallel)
         apply_cp(part, builder.mesh["cp"])  # context parallel's all-to-alls around attention
+        if cfg.strategy.float8:
+            converted.append(float8.convert(part, cfg))
         apply_activation_checkpointing(part, cfg.strategy.activation_checkpointing)
         if cfg.strategy.compile:
             apply_compile(part)
 
     parts = builder.wrap(model, prepare)
     builder.materialise(parts, cfg.model.hf_path)
-    return builder.finish(parts)  # the loss sees the logits sharded: train.strategies.base.loss_fn
+    engine = builder.finish(parts)  # the loss sees the logits sharded: train.strategies.base.loss_fn
+    if converted:
+        float8.attach(engine, converted[0])
+    return engine
