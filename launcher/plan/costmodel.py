@@ -27,6 +27,7 @@ from spec.model_size import flops_per_token, head_dim
 from spec.ac_modes import ac_mode
 from spec.support import check_supported
 from spec.validate import check_strings, validate
+from launcher.plan.float8 import converted_total, effective_flops_per_token, gather_saving
 from launcher.plan.memory import AC_MODES, Memory, compute_bytes, estimate, stage_params
 
 MFU = 0.40                   # fraction of peak the matmuls reach (assumption; plan.mfu=...)
@@ -86,7 +87,8 @@ def _dp_collectives(cfg: RunConfig, layout: Layout, psi: int, e: int) -> List[Tu
         return [(all_reduce_bytes(n, 4.0 * psi), n, tp, False)]
     d, r = layout.dp_shard * layout.cp, layout.dp_replicate
     gathers = 2 if s.reshard_after_forward else 1
-    out = [(gathers * all_gather_bytes(d, e * psi) + all_gather_bytes(d, 4.0 * psi), d, tp, True)]
+    gathered = e * psi - gather_saving(cfg, layout, e) * converted_total(cfg, layout)  # float8's weights: 1 byte
+    out = [(gathers * all_gather_bytes(d, gathered) + all_gather_bytes(d, 4.0 * psi), d, tp, True)]
     if r > 1:  # HSDP: the reduce-scattered shard is all-reduced across replicas
         out.append((all_reduce_bytes(r, 4.0 * psi / d), r, tp * d, True))
     return out
@@ -133,8 +135,9 @@ def step_time(cfg: RunConfig, layout: Layout, mfu: float = MFU) -> Optional[Step
     micro_tokens = t.micro_batch_size * t.seq_len
     fpt = flops_per_token(m, t.seq_len)
     ac = ac_mode(s.activation_checkpointing)
-    # recomputation: one more forward (2 of the 6 N FLOPs) of every checkpointed block
-    compute = (fpt * micro_tokens * t.grad_accum / (layout.tp * layout.pp * layout.cp) * (1 + ac.share / 3)
+    # recomputation: one more forward (2 of the 6 N FLOPs) of every checkpointed block;
+    # float8's converted matmuls at FLOAT8_SPEEDUP x the rate (launcher/plan/float8.py)
+    compute = (effective_flops_per_token(cfg, layout, fpt) * micro_tokens * t.grad_accum / (layout.tp * layout.pp * layout.cp) * (1 + ac.share / 3)
                / (peak * mfu))
     bubble = 0.0
     if layout.pp > 1:
@@ -214,6 +217,10 @@ class Candidate:
                f"train.micro_batch_size={t.micro_batch_size}", f"train.grad_accum={t.grad_accum}"]
         if s.pipeline_parallel > 1:
             out += [f"strategy.pp_schedule={s.pp_schedule}", f"strategy.pp_microbatches={s.pp_microbatches}"]
+        if s.float8:
+            gather = "null" if s.float8_all_gather is None else str(s.float8_all_gather).lower()
+            out += ["strategy.float8=true", f"strategy.float8_recipe={s.float8_recipe}",
+                    f"strategy.float8_skip=[{','.join(s.float8_skip)}]", f"strategy.float8_all_gather={gather}"]
         return " ".join(out)
 
 
@@ -263,7 +270,9 @@ def _fastest_fitting(cfg: RunConfig, train, fields: dict, mfu: float) -> Optiona
     user = cfg.strategy  # precision and schedule are the user's; the rest is the candidate's
     for mode in AC_MODES:  # cheapest recomputation first
         strategy = StrategyConfig(mixed_precision=user.mixed_precision, pp_schedule=user.pp_schedule,
-                                  compile=user.compile, activation_checkpointing=mode, **fields)
+                                  compile=user.compile, activation_checkpointing=mode, float8=user.float8,
+                                  float8_recipe=user.float8_recipe, float8_skip=list(user.float8_skip),
+                                  float8_all_gather=user.float8_all_gather, **fields)
         trial = dataclasses.replace(cfg, strategy=strategy, train=train)
         try:  # the launcher's own rules (launcher.checks.check): a layout it refuses is no candidate
             validate(trial, strings=False)

@@ -15,6 +15,7 @@ from spec.layout import Layout
 from spec.model_size import largest_module_params, param_breakdown
 from spec.ds_config import deepspeed_config, use_bf16
 from spec.peft import adapter_params, lora_enabled
+from launcher.plan.float8 import converted, converted_total, gather_saving
 
 ADAM = 8            # fp32 first and second moments per parameter
 MASTER = 4          # fp32 master copy of a parameter (DeepSpeed ZeRO keeps one per partition)
@@ -75,8 +76,8 @@ def _torch_states(cfg: RunConfig, layout: Layout, psi: int, block: int, root: in
     the schedule runs every backward but the last under no_sync after zero_grad(set_to_none)
     and the last one copies them in, so the buckets (4 Ψ) are a second copy meanwhile."""
     s = cfg.strategy
-    if s.data_parallel != "fsdp":
-        casts = e * psi if e < 4 else 0.0
+    if s.data_parallel != "fsdp":  # float8's Linears save their fp32 weight, no cast (launcher/plan/float8.py)
+        casts = e * (psi - converted_total(cfg, layout)) if e < 4 else 0.0
         no_sync = 4.0 * psi if layout.pp > 1 and layout.dp > 1 and s.pp_microbatches > 1 else 0.0
         return 4.0 * psi, 4.0 * psi, ADAM * psi, casts + no_sync, 0.0, 1
     d = layout.dp_shard * layout.cp  # context parallel's ranks shard too (train/mesh.py)
@@ -86,6 +87,9 @@ def _torch_states(cfg: RunConfig, layout: Layout, psi: int, block: int, root: in
     # first block's unsharded gradient plus its fp32 copy for the reduce-scatter. Grad-op
     # (no reshard after forward) keeps every gathered block until its backward.
     gathered = e * psi if not s.reshard_after_forward else e * (root + 2 * block)
+    # converted weights gathered in float8 (FSDP's float8 all-gather): launcher/plan/float8.py
+    (cb, ch), w = converted(cfg, layout), gather_saving(cfg, layout, e)
+    gathered -= w * (converted_total(cfg, layout) if not s.reshard_after_forward else ch + 2 * cb)
     return p, g, o, gathered + (e + 4.0) * block, 0.0, d
 
 
