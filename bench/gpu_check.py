@@ -39,7 +39,10 @@ slot still leaves what it did. Rows (one GPU is enough):
   the first five, from metrics.jsonl;
 - ``speed/torchtitan``: torchtitan's own trainer on the same model, batch, sequence and
   compile (bench/torchtitan_speed.py), its MFU by our FLOP formula, and ddp+compile's
-  tokens/s over torchtitan's (the goal: >= 1.0).
+  tokens/s over torchtitan's (the goal: >= 1.0);
+- ``float8/1b``, ``float8/8b_block``: float8 training against bf16 (FSDP, compile, 50 steps
+  each) on Llama 3.2 1B and on 8 blocks of Llama 3.1 8B's shape: both tokens/s, their ratio,
+  peak memory, the loss within 2% at every step (bench/gpu_check_float8.py).
 
 With ``--dry`` no row runs: each launch row's command is checked by the launcher's own
 dry run (compose, layout, memory gate) and each check row's code is compiled, so the
