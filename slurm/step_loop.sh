@@ -74,7 +74,13 @@
 # differs from the one seen before counts anew.
 #
 # With hot spares (cluster.spare_nodes=K > 0: sbatch --nodes=N+K --no-kill; STO_SPARES=0 is
-# the loop without them): every srun asks for the N training nodes (--nodes, --ntasks: srun
+# the loop without them) and node agents: the srun holds every node left (--nodes=N+K-dropped,
+# one agent each, --no-kill: the step outlives a node Slurm declares DOWN), STO_AGENT_PLACES=N
+# exported; the spares' agents stand by warm and take the dropped nodes' places themselves
+# (train/harness/agent_places.py). srun waits for a dead node's task until Slurm declares
+# it DOWN: once every agent off the dropped nodes has ended (RUN_DIR/.agents/NODE.end),
+# the loop ends the srun and takes their worst status as the step's.
+# With hot spares and one task a rank: every srun asks for the N training nodes (--nodes, --ntasks: srun
 # would take the job's N+K from the batch environment) with --overlap, and --exclude for the
 # nodes the job's restarts dropped: the old step's record holds its CPUs until Slurm hears
 # from its dead node (seen with Slurm 22.05: without --overlap the next step waits for
@@ -163,14 +169,31 @@ sto_request() {
     *) echo "job $sto_job: unknown request $action" >&2; return 1 ;;
   esac
 }
+sto_agents_ended() {  # $1: RUN_DIR, $2: the nodes dropped; every agent of the srun off them ended: the worst status
+  local f node worst=0 code
+  for f in "$1"/.agents/*.up; do
+    [ -e "$f" ] || return 1
+    node=${f##*/}; node=${node%.up}
+    case ",$2," in *",$node,"*) continue ;; esac
+    code=$(cat "$1/.agents/$node.end" 2>/dev/null) || return 1
+    [ "${code:-1}" -gt "$worst" ] && worst=${code:-1}
+  done
+  echo "$worst"
+}
 srun() {
-  local folder="${*: -1}" code i=0 pid waited drop from seen now spare=()
+  local folder="${*: -1}" code i=0 pid waited drop from seen now ended gone spare=()
   local dir="${folder//%a/$SLURM_ARRAY_TASK_ID}/.."
   { SLURM_TIME_FORMAT=%s sto_slurm scontrol show job -o "$SLURM_JOB_ID"
     sto_slurm sinfo -h -N -p "$SLURM_JOB_PARTITION" -o '%N|%t|%f'; } 2>/dev/null > "$dir/$STO_FACTS"
   while :; do
     rm -f "$dir/$STO_RESTART" "$dir/$STO_REQUEST" "$dir/.$STO_RESTART".start*
-    if [ "$STO_SPARES" -gt 0 ]; then  # the training nodes of the job's, without those dropped
+    rm -rf "$dir/.agents"
+    if [ "$STO_SPARES" -gt 0 ] && [ -n "${STO_AGENT:-}" ]; then  # an agent on every node left, the spares' warm
+      IFS=, read -ra spare <<< "$sto_drop"
+      now=$((STO_STEP_NODES + STO_SPARES - ${#spare[@]}))
+      spare=(--nodes="$now" --ntasks="$now" --overlap --no-kill ${sto_drop:+"--exclude=$sto_drop"})
+      export STO_AGENT_PLACES=$STO_STEP_NODES
+    elif [ "$STO_SPARES" -gt 0 ]; then  # the training nodes of the job's, without those dropped
       spare=(--nodes="$STO_STEP_NODES" --ntasks="$STO_STEP_NTASKS" --overlap ${sto_drop:+"--exclude=$sto_drop"})
     elif [ -n "${STO_ALLOCATION:-}" ]; then  # the run's nodes of the allocation's
       spare=(--nodes="$STO_STEP_NODES" --ntasks="$STO_STEP_NTASKS")
@@ -181,7 +204,7 @@ srun() {
     else
       sto_slurm srun "${spare[@]}" "$@" &
     fi
-    pid=$! waited=0 seen=
+    pid=$! waited=0 seen='' ended='' gone=''
     while kill -0 "$pid" 2>/dev/null; do
       sleep 1 & wait -n
       kill $! 2>/dev/null
@@ -191,8 +214,17 @@ srun() {
         [ "$now" = "$seen" ] && waited=$((waited + 1)) || waited=1
         seen=$now
       fi
+      if [ -n "${STO_AGENT_PLACES:-}" ]; then  # the agents restart in place; a dead node's task ends when Slurm says
+        drop=$(sed -n 's/^exclude=//p' "$dir/$STO_RESTART" 2>/dev/null)
+        [ -n "$drop" ] && [ "$drop" != "$gone" ] &&
+          echo "$(date -u +%FT%TZ) the step restarts without $drop: spares' agents take the places, warm" >&2
+        gone=${drop:-$gone}
+        if [ -n "$gone" ] && ended=$(sto_agents_ended "$dir" "$gone"); then
+          sto_end_step "$pid" "every agent has ended but on $gone (dropped)"
+          break
+        fi
       # RESTART is written whole (os.replace), its exclude= line with it: two polls that saw it
-      if [ "$STO_SPARES" -gt 0 ] && [ "$waited" -ge 2 ] && grep -q '^exclude=.' "$dir/$STO_RESTART" 2>/dev/null; then
+      elif [ "$STO_SPARES" -gt 0 ] && [ "$waited" -ge 2 ] && grep -q '^exclude=.' "$dir/$STO_RESTART" 2>/dev/null; then
         sto_end_step "$pid" "the step asks for a restart without $(sed -n 's/^exclude=//p' "$dir/$STO_RESTART")"
         break
       fi
@@ -201,6 +233,7 @@ srun() {
     done
     wait "$pid"
     code=$?
+    code=${ended:-$code}  # the agents' own statuses, not the killed srun's
     sto_evals "$dir"
     sto_request "$dir" && exit 0
     i=$(sto_started "$dir" "$i")  # this srun's start, or the last its agents began

@@ -166,3 +166,56 @@ def test_a_rank_ended_by_slurms_signal_is_no_failure_and_its_siblings_finish(tmp
 
     assert Agent(str(tmp_path), entry, 2, 1).run() == 128 + signal.SIGTERM
     assert (tmp_path / "rank2_finished").exists() and read_run_json(tmp_path)["status"] == "running"
+
+
+def test_the_spares_take_the_dropped_nodes_places_in_order():
+    from train.harness.agent_places import places
+
+    hosts = ["n1", "n2", "n3", "s1", "s2"]
+    assert places(hosts, 3, []) == ["n1", "n2", "n3"]
+    assert places(hosts, 3, ["n2"]) == ["n1", "s1", "n3"]  # the others keep their places
+    assert places(hosts, 3, ["n2", "s1"]) == ["n1", "s2", "n3"]  # a dead spare is passed over
+    assert places(hosts, 3, ["n2", "n3"]) == ["n1", "s1", "s2"]
+    assert places(hosts, 3, ["n1", "n2", "n3"]) is None  # too few left: the step loop's
+    assert places(hosts, 3, ["gone-before"]) == ["n1", "n2", "n3"]  # a node of an earlier srun
+
+
+def test_a_ranks_step_is_its_places_when_the_srun_holds_spares():
+    """The ranks see the training nodes in place order as their step: node 3 of the srun in
+    place 0 hosts rank 0 and the master; the world is the places', not the srun's."""
+    env = {**AGENT_ENV, "SLURM_NODEID": "2", "SLURM_STEP_NUM_NODES": "3", "SLURM_STEP_NODELIST": "gpu[07-09]"}
+    placed = (0, ["gpu09", "gpu08"])
+    for local in range(4):
+        te = task_identity({**env, **rank_env(env, local, 4, 1, placed)})
+        assert (te.rank, te.node_rank, te.world_size, te.master_addr) == (local, 0, 8, "gpu09"), te
+        assert te.order_error() is None
+    other = task_identity({**env, **rank_env(env, 1, 4, 1, (1, ["gpu09", "gpu08"]))})
+    assert (other.rank, other.node_rank, other.master_addr) == (5, 1, "gpu09")
+
+
+def test_a_spares_agent_stands_by_warm_and_forks_in_the_dropped_nodes_place(tmp_path, monkeypatch):
+    """The agent of node gpu09, a spare of a 2-node step (the srun holds 3, STO_AGENT_PLACES=2):
+    no ranks until a restart of start 0 drops gpu08; then its ranks in place 1 for start 1
+    (RANK 2, 3), and it ends once every placed node's agent has (their end marks)."""
+    from train.harness.agent_places import AGENTS_DIR, mark
+
+    env = {**AGENT_ENV, "SLURM_PROCID": "2", "SLURM_NODEID": "2", "SLURM_NTASKS": "3", "SLURM_STEP_NUM_NODES": "3",
+           "SLURM_STEP_NODELIST": "gpu[07-09]", "STO_AGENT_PLACES": "2"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+    def entry() -> int:
+        rank = os.environ["RANK"]
+        (tmp_path / f"start{os.environ['STO_IN_JOB_RESTART']}_rank{rank}").write_text(os.environ["MASTER_ADDR"])
+        mark(str(tmp_path), "gpu07", "end", "0")  # the run ends: gpu07's agent, the other place, ended
+        return 0
+
+    agent = Agent(str(tmp_path), entry, 2, 3)
+    assert (tmp_path / AGENTS_DIR / "gpu09.up").exists() and agent.places == ["gpu07", "gpu08"]
+    import threading
+    threading.Timer(0.5, lambda: (tmp_path / RESTART).write_text('{"srun": 0, "reason": "node_failure"}\nexclude=gpu08\n')).start()
+    assert agent.run() == 0
+    assert agent.places == ["gpu07", "gpu09"]
+    assert {p.name: p.read_text() for p in tmp_path.glob("start*_rank*")} == {"start1_rank2": "gpu07",
+                                                                               "start1_rank3": "gpu07"}
+    assert (tmp_path / f".{RESTART}.start1").exists() and (tmp_path / AGENTS_DIR / "gpu09.end").read_text() == "0"

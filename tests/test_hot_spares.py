@@ -127,8 +127,10 @@ def test_a_dead_node_asks_a_restart_on_the_spare_and_records_it(tmp_path, no_slu
 FAKE_SRUN = stuck_srun('{"step": 7}\\nexclude=node2\\n')
 
 
-def test_the_step_loop_ends_a_step_that_waits_for_a_dead_node_and_excludes_it(tmp_path):
-    cfg = compose_run(SPARE)
+def test_per_rank_tasks_the_step_loop_ends_a_step_that_waits_for_a_dead_node_and_excludes_it(tmp_path):
+    """One srun task a rank (cluster.gpu_binding=task): the loop ends the old srun and starts
+    the next on the training nodes left."""
+    cfg = compose_run(SPARE + ["cluster.gpu_binding=task"])
     run_dir = tmp_path / "run dir"
     (run_dir / "slurm").mkdir(parents=True)
     script = render_script(cfg, build_layout(cfg), run_dir, python="python", wrapper="/w.sh")
@@ -136,8 +138,51 @@ def test_the_step_loop_ends_a_step_that_waits_for_a_dead_node_and_excludes_it(tm
                          squeue=CLIENT + "printf '41.batch\\n41.0\\n'\n", timeout=50)
     calls = (tmp_path / "calls").read_text().splitlines()
     assert proc.returncode == 0, proc.stderr
-    assert len(calls) == 2 and calls[0].startswith("0 --nodes=2 --ntasks=2 --overlap --unbuffered"), calls
-    assert calls[1].startswith("1 --nodes=2 --ntasks=2 --overlap --exclude=node2 --unbuffered"), calls
+    assert len(calls) == 2 and calls[0].startswith("0 --nodes=2 --ntasks=4 --overlap --unbuffered"), calls
+    assert calls[1].startswith("1 --nodes=2 --ntasks=4 --overlap --exclude=node2 --unbuffered"), calls
     assert "ending step 0 of job 41" in proc.stderr and "restart 1 of 3 inside job 41" in proc.stderr
     slurm_calls = Path(f"{tmp_path / 'calls'}.slurm").read_text()
     assert "squeue -h -s -j 41 -o %i" in slurm_calls
+
+
+def _agents_srun(marks: str) -> str:
+    """srun for node agents with a spare: its first step's agents ask a restart without node2,
+    then (the spare in node2's place) write ``marks`` in RUN_DIR/.agents and wait, as srun
+    waits for the dead node's task; the next step ends at once with status 3."""
+    return f"""#!/bin/bash
+echo "${{STO_IN_JOB_RESTART:-unset}} places=${{STO_AGENT_PLACES:-unset}} $*" >> "$CALLS"
+if [ "$(wc -l < "$CALLS")" -eq 1 ]; then
+  printf '{{"step": 7, "srun": 0}}\\nexclude=node2\\n' > "$MARK"
+  mkdir -p "$RUN/.agents" && cd "$RUN/.agents" && touch node1.up node2.up node3.up
+  sleep 2; touch "$RUN/.RESTART.start1"; {marks}
+  exec sleep 60
+fi
+exit 3
+"""
+
+
+@pytest.mark.parametrize("end", ["0", "1"])
+def test_node_agents_restart_on_the_spare_and_the_loop_ends_the_srun_left_on_a_dead_node(tmp_path, end):
+    """Node agents: one srun holds every node of the job's with --no-kill, the spare's agent
+    warm (train/harness/agent_places.py); a restart without node2 is theirs, and once every
+    agent off node2 has ended the loop ends the srun (which waits for node2 until Slurm
+    declares it DOWN) with the agents' own status: done (0), or another restart (1)."""
+    cfg = compose_run(SPARE)
+    run_dir = tmp_path / "run dir"
+    (run_dir / "slurm").mkdir(parents=True)
+    script = render_script(cfg, build_layout(cfg), run_dir, python="python", wrapper="/w.sh")
+    marks = f"echo {end} > node1.end; echo 0 > node3.end"
+    if end == "1":  # start 1 failed too (RESTART of start 1, still without node2)
+        marks += '; printf \'{"step": 9, "srun": 1}\\nexclude=node2\\n\' > "$MARK"'
+    proc = run_step_loop(tmp_path, script, _agents_srun(marks), {"MARK": str(run_dir / RESTART), "RUN": str(run_dir)},
+                         squeue=CLIENT + "printf '41.batch\\n41.0\\n'\n", timeout=50)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[0].startswith("0 places=2 --nodes=3 --ntasks=3 --overlap --no-kill --unbuffered"), calls
+    assert "the step restarts without node2: spares' agents take the places, warm" in proc.stderr, proc.stderr
+    assert "every agent has ended but on node2 (dropped): ending step 0 of job 41" in proc.stderr, proc.stderr
+    if end == "0":  # the run ended well on node1 and the spare
+        assert proc.returncode == 0 and len(calls) == 1, (proc.stderr, calls)
+        return
+    # node1's agent ended with status 1 after its start 1 asked a restart: start 2 on the nodes left
+    assert len(calls) == 2 and calls[1].startswith("2 places=2 --nodes=2 --ntasks=2 --overlap --no-kill --exclude=node2"), calls
+    assert proc.returncode == 3, proc.stderr

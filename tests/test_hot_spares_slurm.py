@@ -72,6 +72,14 @@ def test_a_spare_takes_a_dead_nodes_place_inside_the_job(tmp_path, slurm_cluster
         assert row["step"] <= max(before) + 1  # resumed from a checkpoint, no step skipped
         log = (run_dir / "slurm" / f"{job}_0_log.err").read_text()
         assert f"without {victim}" in log, log[-2000:]
+        # one srun held the 3 nodes: no agent started cold after the kill (one import each),
+        # the survivor forked again from its warm state, the spare's warm agent took node 1's place
+        ended = f"every agent has ended but on {victim} (dropped): ending step 0 of job {job}"
+        wait_until(lambda: ended in (run_dir / "slurm" / f"{job}_0_log.err").read_text(), 30, "the step's end")
+        agents = {p.name: p.read_text() for p in (run_dir / "slurm").glob(f"{job}_agent*_log.err")}
+        assert len(agents) == 3 and all(text.count("(imports ") == 1 for text in agents.values()), agents
+        warm = [text for text in agents.values() if "restarting the node's ranks from the warm agent (start 1" in text]
+        assert len(warm) == 2 and sum("standing by, warm" in text for text in warm) == 1, agents
     finally:
         start_node(victim, slurm_cluster)
 

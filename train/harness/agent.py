@@ -31,9 +31,14 @@ restart drops no node, every agent forks fresh ranks for start k+1 from its warm
 ends, so that every agent reads it whenever it looks; each agent marks the start it
 begins (``RUN_DIR/.RESTART.start<k+1>``), from which the batch script's loop knows, once
 srun ends, which start was the last and that an earlier start's RESTART is done with.
-A restart that drops nodes (hot spares), a refusal, or the end of the run ends the agent
-with its ranks' status: srun's ``--kill-on-bad-exit`` ends the other nodes' agents, and
-the batch script's loop (slurm/step_loop.sh) does the rest, as for per-rank tasks.
+With hot spares the srun holds every node of the job's and a spare's agent stands by,
+warm, without ranks (:mod:`train.harness.agent_places`): a restart that drops nodes
+gives each dropped node's place to a spare, and every agent left forks the next start's
+ranks in its place, the spare's included. A refusal, a restart that drops nodes without
+spares in the srun, or the end of the run ends the agent with its ranks' status (its
+``end`` mark in RUN_DIR/.agents): srun's ``--kill-on-bad-exit`` ends the other nodes'
+agents, and the batch script's loop (slurm/step_loop.sh) does the rest, as for per-rank
+tasks.
 
 Signals to the agent (Slurm's USR2 warning, SIGTERM, SIGINT) are passed to its ranks;
 the agent itself never ends before them (Slurm's KillWait ends what is left). A rank
@@ -48,10 +53,12 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from slurm.env import AGENT_CHILD_ENV, AGENT_ENV, IN_JOB_RESTART_ENV, in_job_restart, in_srun_task, task_identity
+from slurm.env import (AGENT_CHILD_ENV, AGENT_ENV, IN_JOB_RESTART_ENV, expand_hostlist, in_job_restart, in_srun_task,
+                       task_identity)
 from spec.rundir import RESTART
+from train.harness import agent_places
 from train.harness.forked import Forwarding, run_child, warm_for_fork
 
 POLL_S = 0.05  # how often the agent reaps its ranks
@@ -74,17 +81,26 @@ def is_agent(env: Optional[Mapping[str, str]] = None) -> bool:
     return bool(env.get(AGENT_ENV)) and AGENT_CHILD_ENV not in env and in_srun_task(env)
 
 
-def rank_env(env: Mapping[str, str], local_rank: int, per_node: int, start: Optional[int]) -> Dict[str, str]:
+def rank_env(env: Mapping[str, str], local_rank: int, per_node: int, start: Optional[int],
+             placed: Optional[Tuple[int, List[str]]] = None) -> Dict[str, str]:
     """The variables of local rank ``local_rank`` of this node (``env``: the agent's, one srun
     task a node): block order by construction, the SLURM_* names as one task a rank has
-    them, and torchrun's (:meth:`spec.identity.TaskIdentity.torchrun_vars`)."""
-    node = int(env["SLURM_NODEID"])
-    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or env["SLURM_NTASKS"])
+    them, and torchrun's (:meth:`spec.identity.TaskIdentity.torchrun_vars`). ``placed``: the
+    node's place and the training nodes in place order, when the srun also holds spares
+    (:mod:`train.harness.agent_places`): the ranks see those as their step's nodes."""
+    out: Dict[str, Any] = {}
+    if placed is None:
+        node = int(env["SLURM_NODEID"])
+        nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or env["SLURM_NTASKS"])
+    else:
+        (node, hosts), nodes = placed, len(placed[1])
+        out.update(SLURM_NODEID=node, SLURM_STEP_NUM_NODES=nodes, SLURM_NNODES=nodes,
+                   SLURM_STEP_NODELIST=",".join(hosts), SLURM_NODELIST=",".join(hosts))
     rank, world = node * per_node + local_rank, nodes * per_node
     shape = f"{per_node}(x{nodes})" if nodes > 1 else str(per_node)
-    out = {"SLURM_PROCID": rank, "SLURM_LOCALID": local_rank, "SLURM_NTASKS": world, "SLURM_NPROCS": world,
-           "SLURM_STEP_NUM_TASKS": world, "SLURM_NTASKS_PER_NODE": per_node, "SLURM_TASKS_PER_NODE": shape,
-           "SLURM_STEP_TASKS_PER_NODE": shape, AGENT_CHILD_ENV: 1}
+    out.update({"SLURM_PROCID": rank, "SLURM_LOCALID": local_rank, "SLURM_NTASKS": world, "SLURM_NPROCS": world,
+                "SLURM_STEP_NUM_TASKS": world, "SLURM_NTASKS_PER_NODE": per_node, "SLURM_TASKS_PER_NODE": shape,
+                "SLURM_STEP_TASKS_PER_NODE": shape, AGENT_CHILD_ENV: 1})
     cpus = env.get("SLURM_CPUS_PER_TASK")
     if cpus and cpus.isdigit():  # the node's CPUs were asked for the agent: each rank's share
         out["SLURM_CPUS_PER_TASK"] = max(1, int(cpus) // per_node)
@@ -144,6 +160,13 @@ class Agent(Forwarding):
         self.look_s = max(RESTART_POLL_S, nodes / STATS_PER_S)
         self.host = socket.gethostname()
         self.seen: Tuple[Optional[tuple], Optional[dict]] = (None, None)  # RESTART's (stat key, entry)
+        # with spares in the srun (agent_places): the training nodes; this node's Slurm name
+        hosts = expand_hostlist(os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_NODELIST") or "")
+        self.me = hosts[self.node] if self.node < len(hosts) else self.host
+        n = os.environ.get(agent_places.PLACES_ENV, "")
+        self.places = agent_places.places(hosts, int(n), ()) if n.isdigit() and int(n) < len(hosts) else None
+        self.hosts, self.dropped = hosts, set()  # dropped: the nodes the job's restarts dropped (RESTART)
+        agent_places.mark(run_dir, self.me, "up")
         self.forward(PASSED)
 
     def asked(self) -> Optional[dict]:
@@ -175,21 +198,66 @@ class Agent(Forwarding):
 
     def run(self) -> int:
         """Fork and watch the node's ranks, start after start; their exit status (0: done)."""
-        start = in_job_restart()
+        code, start = 0, in_job_restart()
         while True:
-            code = self.generation(start)
-            asked = restart_of(self.run_dir) if start is not None else None
-            if asked is None or asked.get("srun") != start or asked["exclude"]:
-                return code  # done, refused, or a restart without nodes: the step loop's
-            start += 1
+            if self.places is not None and self.me not in self.places:  # a spare: warm, waiting for a place
+                start = self.standby(start)
+                if start is None:
+                    return self.end(code)
+            else:
+                code = self.generation(start)
+                asked = restart_of(self.run_dir) if start is not None else None
+                if asked is None or asked.get("srun") != start or not self.replace(asked):
+                    return self.end(code)  # done, refused, or a restart without nodes: the step loop's
+                if self.places is not None and self.me not in self.places:
+                    self.say(f"this node was dropped ({asked['exclude']}): its agent ends")
+                    return self.end(0)
+                start += 1
             (Path(self.run_dir) / f".{RESTART}.start{start}").touch()  # for the step loop once srun ends
-            self.say(f"restarting the node's ranks from the warm agent (start {start} of the step)")
+            place = f" in place {self.places.index(self.me)}" if self.places is not None else ""
+            self.say(f"restarting the node's ranks from the warm agent (start {start} of the step{place})")
+
+    def replace(self, asked: dict) -> bool:
+        """A restart of this start asked: True when the agents carry it (it drops no node, or
+        the srun's spares take the dropped nodes' places: :attr:`places` updated)."""
+        if not asked["exclude"]:
+            return True
+        if self.places is None:
+            return False
+        self.dropped |= set(agent_places.dropped_of(asked["exclude"]))
+        places = agent_places.places(self.hosts, len(self.places), self.dropped)
+        if places is None:
+            self.say(f"no spare left in this step for {asked['exclude']}")
+            return False
+        self.places = places
+        return True
+
+    def standby(self, start: Optional[int]) -> Optional[int]:
+        """A spare's agent: warm, until a restart gives its node a place (the start its ranks
+        begin), or every training node's agent has ended (None)."""
+        self.say(f"standing by, warm, for a place among {','.join(self.places or [])}")
+        while True:
+            asked = self.asked()
+            if asked is not None and isinstance(asked.get("srun"), int) and asked["srun"] >= (start or 0):
+                start = asked["srun"] + 1  # the restart every agent follows, whether it drops nodes or not
+                if asked["exclude"] and not self.replace(asked):
+                    return None
+                if self.me in (self.places or ()):
+                    return start
+            elif agent_places.ended(self.run_dir, self.places or ()):
+                return None
+            time.sleep(self.look_s)
+
+    def end(self, code: int) -> int:
+        agent_places.mark(self.run_dir, self.me, "end", str(code))
+        return code
 
     def fork(self, start: Optional[int]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
+        placed = (self.places.index(self.me), self.places) if self.places is not None else None
         for local in range(self.per_node):
-            env = rank_env(os.environ, local, self.per_node, start)
+            env = rank_env(os.environ, local, self.per_node, start, placed)
             pid = os.fork()
             if pid == 0:
                 run_child(env, self.run_dir, self.entry, self.owner,
@@ -267,5 +335,10 @@ def run_agent(run_dir: str, entry: Callable[[], int], warm: Callable[[str], None
     warm_for_fork(run_dir, warm)
     agent = Agent(run_dir, entry, per_node, cluster.in_job_restarts, cluster)
     agent.own_logs()
-    agent.say(f"{per_node} ranks from RANK {agent.node * per_node} (imports {time.monotonic() - t0:.1f} s)")
+    took = f"(imports {time.monotonic() - t0:.1f} s)"
+    if agent.places is not None and agent.me not in agent.places:
+        agent.say(f"a spare: {per_node} ranks once a dropped node's place is its {took}")
+    else:
+        first = agent.places.index(agent.me) if agent.places is not None else agent.node
+        agent.say(f"{per_node} ranks from RANK {first * per_node} {took}")
     return agent.run()
