@@ -18,7 +18,7 @@ ROWS = {"health", "binding/task", "binding/node", "binding/agent", "hf/zero3", "
         *(f"engine/{s}" for s in ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "pp",
                                   "ddp+compile")), "parity/bf16",
         *(f"speed/{s}" for s in ("ddp", "ddp+compile", "fsdp+compile", "zero2", "torchtitan"))}
-ROWS |= set()  # bench/gpu_check_bigjob.py's rows
+ROWS |= {f"bigjob/{s}" for s in ("rank", "snapshot", "save_load", "affinity")}  # bench/gpu_check_bigjob.py's rows
 ROWS |= {f"float8/{s}{b}" for s in ("1b", "8b_block") for b in ("", ":bf16")}  # bench/gpu_check_float8.py's rows
 ROWS |= {"speed/loss_128k", "speed/loss_152k"}  # bench/gpu_check_speed.py's rows beyond the speed runs
 
