@@ -16,14 +16,17 @@ full activation checkpointing, on torch's fake process group with real CUDA tens
 
 One process (``bigjob/rank``) measures everything; the other three rows wait for its
 result and show their part (so they may run beside it). ``--only bigjob`` runs the
-group: about two minutes on one H100 or H200 (expected, not yet run there). Under
-``--dry`` the same code runs on CPU with a tiny model's shape (a few seconds).
+group: about two minutes on one H100 or H200 (expected, not yet run there).
+``STO_BIGJOB_ARGS`` adds options to the rank's command (``"--layers 20"``: fewer layers,
+the planner asked for as many, if a step is too slow for the slot; ``"--micro-batch 4"``).
+Under ``--dry`` the same code runs on CPU with a tiny model's shape (a few seconds).
 """
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -50,8 +53,9 @@ def rows(scratch: Path) -> List[Row]:
     shows an earlier run's result)."""
     out = scratch / f"bigjob_{time.strftime('%H%M%S')}_{os.getpid()}_{next(_RUNS)}"
     device = {"CUDA_VISIBLE_DEVICES": os.environ.get("STO_GPU_CHECK_DEVICE", "0")}  # binding task: one GPU
-    rank = Row("bigjob/rank", [sys.executable, str(SCRIPT), "rank", str(out)], exited_ok, env=device, launch=False,
-               timeout_s=RANK_TIMEOUT_S, run_dir=out, report=section("rank"))
+    extra = shlex.split(os.environ.get("STO_BIGJOB_ARGS", ""))  # e.g. "--layers 20": bench/bigjob_rank.py's options
+    rank = Row("bigjob/rank", [sys.executable, str(SCRIPT), "rank", str(out), *extra], exited_ok, env=device,
+               launch=False, timeout_s=RANK_TIMEOUT_S, run_dir=out, report=section("rank"))
     shown = [Row(f"bigjob/{name}", [sys.executable, str(SCRIPT), "show", name, str(out)], exited_ok, launch=False,
                  timeout_s=RANK_TIMEOUT_S + 30, run_dir=out, report=section(name))
              for name in ("snapshot", "save_load", "affinity")]

@@ -52,10 +52,13 @@ def test_the_memory_verdict_against_the_planner():
                                                                  None)
 
 
-def test_rows_share_one_rank_and_each_call_its_own_directory(tmp_path):
+def test_rows_share_one_rank_and_each_call_its_own_directory(tmp_path, monkeypatch):
     from bench.gpu_check import select
 
-    first, second = gb.rows(tmp_path), gb.rows(tmp_path)
+    first = gb.rows(tmp_path)
+    monkeypatch.setenv("STO_BIGJOB_ARGS", "--layers 20")  # the rank's own options, from make gpu-check
+    second = gb.rows(tmp_path)
+    assert second[0].argv[-2:] == ["--layers", "20"] and first[0].argv[-1] == str(first[0].run_dir)
     assert [r.name for r in first] == ["bigjob/rank", "bigjob/snapshot", "bigjob/save_load", "bigjob/affinity"]
     assert len({r.run_dir for r in first}) == 1 and first[0].run_dir != second[0].run_dir
     assert first[0].env["CUDA_VISIBLE_DEVICES"] and not any(r.launch for r in first)
