@@ -29,7 +29,7 @@ import shlex
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from launcher import allocation, evaljobs
+from launcher import allocation, evaljobs, resources
 from launcher.snapshot import Frozen
 from slurm import query, sbatch
 from spec.config import ConfigError, RunConfig
@@ -91,7 +91,10 @@ def script(cfg: RunConfig, item: str, run_dir: Path, after: str, python: str, co
     lines = sbatch.job_head(options, c.setup, c.env) + (code.setup_lines() if code is not None else [])
     if kind == "eval":
         lines.append(evaljobs.OFFLINE)
-    lines += [f"cd {shlex.quote(str(run_dir))}", f"exec {command(item, run_dir, python)}"]
+    srun, inside = resources.in_image(cfg, run_dir, options["cpus-per-task"], gpus, code)  # with an image: every step runs there, as the tasks
+    line = command(item, run_dir, inside or python)
+    line = f"{srun}bash -c {shlex.quote(line)}" if srun and kind == "cmd" else srun + line
+    lines += [f"cd {shlex.quote(str(run_dir))}", f"exec {line}"]
     return "\n".join(lines) + "\n"
 
 

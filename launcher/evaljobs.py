@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from launcher import resources
 from slurm import query, sbatch, states
 from spec import evals
 from spec.config import ConfigError, RunConfig, to_run_config
@@ -90,7 +91,9 @@ def script(cfg: RunConfig, run_dir: Path, step: int, python: str, after: Optiona
     lines = sbatch.job_head({**options, "requeue": True}, c.setup, c.env)
     lines += [f"export PYTHONPATH={shlex.quote(str(root))}${{PYTHONPATH:+:$PYTHONPATH}}", OFFLINE,
               f"cd {shlex.quote(str(run_dir))}"]
-    job = " ".join([f"{python} -m train.eval_job {shlex.quote(str(run_dir))} {step}", *map(shlex.quote, extra)])
+    srun, inside = resources.in_image(cfg, run_dir, options["cpus-per-task"], n_gpus)  # with an image: run there, as the training's tasks
+    job = " ".join([f"{srun}{inside or python} -m train.eval_job {shlex.quote(str(run_dir))} {step}",
+                    *map(shlex.quote, extra)])
     lines += [f"timeout {max(e.time_min * 60 - MARGIN_S, 60)} {job}", "code=$?",
               f'[ "$code" -eq 0 ] || {job} --failed "$code"', 'exit "$code"']
     return "\n".join(lines) + "\n"

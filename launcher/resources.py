@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -48,6 +49,24 @@ def container_args(cfg: RunConfig, code: Optional[Frozen], run_dir: Optional[Pat
     tail = re.sub(r"[^A-Za-z0-9_.-]+", "-", image.rsplit("/", 1)[-1].replace("#", "-"))[:40].strip("-.")
     name = f"sto-{tail}-{hashlib.sha256(image.encode()).hexdigest()[:8]}"
     return [*c.container_mounts, *(f"{p}:{p}" for p in ours)], [f"--container-name={name}"]
+
+
+def in_image(cfg: RunConfig, run_dir: Path, cpus: int, gpus: int = 0,
+             code: Optional[Frozen] = None) -> Tuple[str, Optional[str]]:
+    """A job of the run's own that runs one command (an evaluation, a chain's step): with
+    cluster.container_image, the words that run it in the image as the training's tasks
+    run (srun's one task of ``cpus`` CPUs and ``gpus`` GPUs, asked again as srun inherits
+    neither, the run's mounts and container name) and the
+    image's Python (cluster.python, else its ``python``); ("", None) without one: the
+    batch script's own host runs it."""
+    c = cfg.cluster
+    if not c.container_image:
+        return "", None
+    mounts, named = container_args(cfg, code, run_dir, None)
+    srun = ["srun", "--ntasks=1", f"--cpus-per-task={int(cpus)}", *([f"--gpus={int(gpus)}"] if gpus else []), f"--container-image={c.container_image}",
+            *(["--container-mounts=" + ",".join(mounts)] if mounts else []),
+            *([f"--container-workdir={c.container_workdir}"] if c.container_workdir else []), *named]
+    return " ".join(map(shlex.quote, srun)) + " ", c.python or "python"
 
 
 def resources_line(cfg: RunConfig) -> str:

@@ -349,3 +349,36 @@ def test_a_run_directory_that_would_split_the_container_mounts_is_refused():
     cfg = _compose(["+cluster=localslurm", "cluster.container_image=img"])
     with pytest.raises(ConfigError, match="split pyxis's --container-mounts"):
         render_script(cfg, build_layout(cfg), Path("/scratch/a,b/run"))
+
+
+def test_an_evaluation_and_a_chains_steps_run_in_the_image_as_the_tasks_do(tmp_path):
+    """With cluster.container_image the jobs the toolkit writes itself (an evaluation, a
+    chain's export, eval and command) run their command through srun in the image, with
+    the run's mounts and container name, on the image's Python; the batch script stays on
+    the host (its client, its setup). Without an image: the host's Python, no srun."""
+    from launcher import chain, evaljobs
+
+    run_dir = tmp_path / "runs" / "r"
+    image = ["+cluster=h100x8", "cluster.container_image=nvcr.io/nvidia/pytorch:25.01-py3", "cluster.python=python3"]
+    cfg = _compose(image)
+    training = slurm_parameters(cfg, build_layout(cfg), run_dir=run_dir)["srun_args"]
+    mounts = next(a for a in training if a.startswith("--container-mounts="))
+    name = next(a for a in training if a.startswith("--container-name="))
+    lines = evaljobs.script(cfg, run_dir, 20, "/host/venv/bin/python").splitlines()
+    [job] = [ln for ln in lines if ln.startswith("timeout ")]
+    words = shlex.split(job)
+    assert words[1:4] == [words[1], "srun", "--ntasks=1"] and "--gpus=1" in words and mounts in words and name in words
+    assert "--container-image=nvcr.io/nvidia/pytorch:25.01-py3" in words
+    assert words[words.index("-m") - 1] == "python3" and "/host/venv/bin/python" not in job
+    for item in ("export", "eval", "cmd:python my_eval.py {export_dir}"):
+        text = chain.script(cfg, item, run_dir, "123", "/host/venv/bin/python", None)
+        [line] = [ln for ln in text.splitlines() if ln.startswith("exec ")]
+        assert shlex.split(line)[1:3] == ["srun", "--ntasks=1"] and mounts in line and name in line, line
+        assert "/host/venv/bin/python" not in line and (item.startswith("cmd") or "python3 -m " in line), line
+        assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    assert "bash -c 'python my_eval.py " in chain.script(cfg, "cmd:python my_eval.py {export_dir}", run_dir, "1",
+                                                          "py", None)
+    plain = _compose(["+cluster=h100x8"])
+    assert "srun" not in evaljobs.script(plain, run_dir, 20, "/host/venv/bin/python")
+    assert "exec /host/venv/bin/python -m launcher.export" in chain.script(plain, "export", run_dir, "1",
+                                                                          "/host/venv/bin/python", None)
