@@ -39,7 +39,16 @@ slot still leaves what it did. Rows (one GPU is enough):
   the first five, from metrics.jsonl;
 - ``speed/torchtitan``: torchtitan's own trainer on the same model, batch, sequence and
   compile (bench/torchtitan_speed.py), its MFU by our FLOP formula, and ddp+compile's
-  tokens/s over torchtitan's (the goal: >= 1.0);
+  tokens/s over torchtitan's (the goal: >= 1.0); each speed row also shows the planner's
+  step time and memory beside the measured ones (bench/calibrate_planner.py turns them
+  into the planner's constants);
+- ``speed/loss_128k``, ``speed/loss_152k``: one step's loss at Llama 3's and Qwen 2.5's
+  vocabularies, whole logits and chunked, eager and compiled (bench/chunked_loss.py --gpu);
+- ``bigjob/rank``, ``bigjob/snapshot``, ``bigjob/save_load``, ``bigjob/affinity``: rank 0 of
+  a 64-node llama3_70b fsdp_tp job on torch's fake process group with real CUDA tensors:
+  its shards, two steps and their peak beside the planner's, the async pinned snapshot,
+  save and load GB/s with checksums, its CPUs against its GPU's (bench/gpu_check_bigjob.py;
+  ``--only bigjob``);
 - ``float8/1b``, ``float8/8b_block``: float8 training against bf16 (FSDP, compile, 50 steps
   each) on Llama 3.2 1B and on 8 blocks of Llama 3.1 8B's shape: both tokens/s, their ratio,
   peak memory, the loss within 2% at every step (bench/gpu_check_float8.py).
@@ -272,7 +281,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, scratch {scratch}", flush=True)
     if any(r.name.startswith("speed/") for r in selected):
         gpu = DRY_GPU_GB if args.dry else torch.cuda.get_device_properties(0).total_memory / 2**30
-        # --speed-batch: no planner run (its bytes would be those of its own choice: not reported)
+        # --speed-batch: the planner is asked once, at that batch (the rows' planned figures)
         fast = Speed(args.speed_batch, gpu) if args.speed_batch else speed_batch(gpu)
         print(f"speed rows: micro-batch {fast.micro_batch}" + ("" if args.speed_batch else
               f" (the largest of {', '.join(map(str, SPEED_BATCHES))} the planner fits on {gpu:.1f} GB, whole logits, "

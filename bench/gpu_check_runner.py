@@ -129,10 +129,11 @@ def chains(selected: List[Row]) -> List[List[Row]]:
 def run_rows(selected: List[Row], table: Table, budget_s: float, jobs: int = 1) -> int:
     """The rows in table order; with ``jobs`` > 1 the small rows share the GPU, ``jobs`` at a
     time (their own processes, ports and directories), and the parity row (which compares
-    the engine rows' runs), the speed rows and the float8 rows run after them alone, so
-    their timings see an idle GPU."""
+    the engine rows' runs), the speed, float8 and big-job rows run after them alone, so
+    their timings and memory see an idle GPU."""
     deadline = time.time() + budget_s
-    later = ("parity/", "speed/", "float8/")  # parity reads the engine rows' runs, speed rows time an idle GPU
+    # parity reads the engine rows' runs; the others time, or read the memory of, an idle GPU
+    later = ("parity/", "speed/", "float8/", "bigjob/")
     shared = [r for r in selected if not r.name.startswith(later)]
     alone = [r for r in selected if r.name.startswith(later)]
     if jobs <= 1:
