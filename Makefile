@@ -69,7 +69,7 @@ FLOOR_TESTS := tests/test_torch_compat.py tests/test_checkpoint_reader.py tests/
   tests/test_hf.py::test_forward_matches_transformers tests/test_hf.py::test_bad_checkpoints_are_refused_naming_what_is_wrong \
   $(foreach c,fsdp zero3 tp pp,'tests/test_hf.py::test_import_then_export_gives_back_the_tensors[$(c)]') \
   'tests/test_hf.py::test_trained_export_loads_in_transformers_with_our_logits[fsdp]' \
-  tests/test_context_parallel.py tests/test_lora.py::test_fsdp_lora_trains_as_peft_and_exports_for_it
+  tests/test_context_parallel.py tests/test_lora.py::test_fsdp_lora_trains_as_peft_and_exports_for_it tests/test_float8.py
 .PHONY: test-torch-floor
 test-torch-floor: $(FLOOR_STAMP)
 	$(DEPS) build
@@ -79,7 +79,7 @@ test-torch-floor: $(FLOOR_STAMP)
 $(FLOOR_STAMP): pyproject.toml constraints-floor.txt
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip >/dev/null
-	$(FLOOR_VENV)/bin/python -m pip install -q -c constraints-floor.txt --config-settings editable_mode=compat -e '.[dev,eval]'
+	$(FLOOR_VENV)/bin/python -m pip install -q -c constraints-floor.txt --config-settings editable_mode=compat -e '.[dev,eval,float8]'
 	$(FLOOR_VENV)/bin/python -c "import torch; from train.torch_compat import FLOOR, torch_version; \
 	  assert torch_version() == FLOOR, f'{torch.__version__} installed, floor {FLOOR}'"
 	touch $@
