@@ -13,6 +13,7 @@ the base model a LoRA run's checkpoints belong to.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -95,12 +96,15 @@ def check_peft_layout(cfg: RunConfig, layout) -> None:
 FINGERPRINT_BYTES = 1 << 16  # of tensor data read from each end of every safetensors file
 
 
+@functools.lru_cache(maxsize=4)
 def _fingerprint(hf_path: str) -> str:
     """A digest of a Hugging Face directory's ``config.json``, its safetensors index, and of
     each safetensors file its name, size, header and the first and last 64 KiB of its
     tensor data: it changes with another model, other weights of the same shapes, or a
-    truncated copy. Every rank computes it at start (the run's shape), so it reads little:
-    about 128 KiB a file, shared by a node's ranks through the page cache."""
+    truncated copy. It reads little (about 128 KiB a file) and once a process: a node's
+    agent (or a local rank 0) computes it before it forks the node's ranks
+    (train.main.warm_imports), which inherit it, so a 512-node job opens the base's files
+    512 times at start rather than once a rank (a 70B base: 30 shards, 4,096 ranks)."""
     root, h = Path(hf_path), hashlib.sha256()
     for name in ("config.json", "model.safetensors.index.json"):
         f = root / name

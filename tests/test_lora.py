@@ -187,6 +187,34 @@ def test_a_checkpoint_of_another_base_is_refused(tmp_path):
     check_same_base({}, {}, "ckpt")  # neither is LoRA
 
 
+def test_the_bases_fingerprint_is_read_once_a_process_before_the_ranks_are_forked(tmp_path, monkeypatch):
+    """A node's agent (or a local rank 0) reads the base's files for its fingerprint in its
+    warm imports; the ranks it forks inherit it and read nothing (one read a node, not a
+    rank: a 70B base's 30 shards at 4,096 ranks would be ~123k opens at once)."""
+    import builtins
+
+    import train.main
+    from spec.config import to_yaml
+    from spec.peft import _fingerprint
+    from test_hf import _save_hf
+
+    hf = _save_hf(tmp_path / "hf", seed=5, num_key_value_heads=2)
+    cfg = compose_run(["+peft=lora", f"model.hf_path={hf}"])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(to_yaml(cfg))
+    _fingerprint.cache_clear()
+    opened, real = [], builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (opened.append(str(f)), real(f, *a, **k))[1])
+    monkeypatch.setattr(train.main, "freeze_imports", lambda: None)  # gc.freeze: not in the test's process
+    train.main.warm_imports(str(tmp_path / "run"))
+    read = [f for f in opened if f.startswith(str(hf))]
+    assert read and all(f.endswith(".safetensors") for f in read), opened
+    first = base_identity(cfg)  # what a forked rank computes: inherited, no file read
+    assert len([f for f in opened if f.startswith(str(hf))]) == len(read)
+    _fingerprint.cache_clear()
+    assert base_identity(cfg) == first  # the same digest read again
+
+
 def test_base_stays_bitwise_and_only_adapters_train():
     from train.lora import prepare_peft
     from train.model import build_model, materialise

@@ -59,6 +59,9 @@ def warm_imports(run_dir: str) -> None:
             import torch.distributed  # noqa: F401
         return
     cfg = to_run_config(Path(run_dir) / CONFIG)
+    from spec.peft import base_identity
+
+    base_identity(cfg)  # a LoRA base's fingerprint, read once a node: the forked ranks inherit it
     import torch  # noqa: F401
 
     from train.torch_compat import import_dynamo
