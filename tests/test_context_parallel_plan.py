@@ -85,3 +85,31 @@ def test_a_recipe_s_strategy_is_overridden_without_a_plus():
     check_overrides(["+experiment=r1_distill_sft", "strategy=fsdp", "strategy.cp=2"], multirun=False)
     with pytest.raises(ConfigError, match=r"append it with \+strategy=fsdp"):
         check_overrides(["strategy=fsdp", "strategy.cp=2"], multirun=False)
+
+
+def test_the_ranking_names_context_parallel_where_a_long_sequence_does_not_fit_without():
+    """At 65k tokens FSDP 8 at cp 1 does not fit (127.8 GB): the ranked layouts split each
+    sequence (cp 2 with full recomputation, cp 4), the global batch of 128 sequences kept
+    (grad_accum x cp); the #1 line names strategy.cp. Below CP_FROM_SEQ no cp is tried,
+    and a user's cp is counted: the global batch is that of dp = world / cp."""
+    from launcher.plan.cli import recommend_table
+    from launcher.plan.costmodel import CP_FROM_SEQ, candidates, nearest_runnable
+
+    cfg, _, _, _ = recipe(1, 65536)
+    found = candidates(cfg, 128)
+    assert found and all(k.layout.cp > 1 for k in found), [(k.cfg.strategy.name, k.layout.cp) for k in found]
+    best = found[0]
+    assert best.layout.cp * best.layout.dp == 8 and best.memory.fits
+    assert best.cfg.train.micro_batch_size * best.cfg.train.grad_accum * best.layout.dp == 128
+    assert f"strategy.cp={best.layout.cp}" in best.overrides() and "strategy.cp=" not in best.overrides(best.layout.cp)
+    table = recommend_table(found, 3, cfg, 128)
+    assert " cp tp " in table[1] and f"strategy.cp={best.layout.cp}" in table[-1], table
+    short, _, _, _ = recipe(1, 8192)
+    assert short.train.seq_len < CP_FROM_SEQ and all(k.layout.cp == 1 for k in candidates(short, 128))
+    assert " cp " not in recommend_table(candidates(short, 128), 3, short, 128)[1]
+    whole = candidates(short, 128)[0]  # cp 1 where the user gave cp 4: named, to undo it
+    assert "strategy.cp=" not in whole.overrides() and whole.overrides(user_cp=4).endswith("strategy.cp=1")
+    nearest = nearest_runnable(cfg)  # the user's batch of 2 x 8 x 8 sequences, no layout needed more nodes
+    assert nearest is not None and nearest.cfg.cluster.nodes == 1 and nearest.layout.cp > 1
+    four, _, _, _ = recipe(4, 65536)  # strategy.cp=4, grad_accum 32: the recipe's 128 sequences
+    assert all(k.cfg.train.micro_batch_size * k.cfg.train.grad_accum * k.layout.dp == 128 for k in candidates(four))

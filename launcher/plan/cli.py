@@ -197,16 +197,19 @@ def recommend_table(cands: List[Candidate], top: int, cfg: RunConfig, global_bat
     if cands[0].time is None:
         return lines + [f"  no ranking: cluster.peak_tflops_bf16 is null on {cfg.cluster.name}; the cost model "
                         "needs the peak (set cluster.peak_tflops_bf16=TFLOP/s)"]
-    lines.append(f"{'#':>3} {'strategy':<14}{'pp':>3}{'dp':>5}{'tp':>3}  {'checkpoint':<10}{'GB/GPU':>7}"
-                 f"{'step s':>8}{'tok/s/GPU':>10}{'MFU':>6}")
+    cps = any(k.layout.cp > 1 for k in cands[:top])  # a cp column where context parallel is ranked
+    lines.append(f"{'#':>3} {'strategy':<14}{'pp':>3}{'dp':>5}" + (f"{'cp':>3}" if cps else "") +
+                 f"{'tp':>3}  {'checkpoint':<10}{'GB/GPU':>7}{'step s':>8}{'tok/s/GPU':>10}{'MFU':>6}")
     for i, k in enumerate(cands[:top], 1):
         t = k.time
         step, tps, mfu = (f"{t.step_s:.2f}", f"{t.tokens_per_s / world:.0f}", f"{t.mfu:.0%}") if t else ("-",) * 3
-        lines.append(f"{i:>3} {k.cfg.strategy.name:<14}{k.layout.pp:>3}{k.layout.dp:>5}{k.layout.tp:>3}  "
+        lines.append(f"{i:>3} {k.cfg.strategy.name:<14}{k.layout.pp:>3}{k.layout.dp:>5}" +
+                     (f"{k.layout.cp:>3}" if cps else "") + f"{k.layout.tp:>3}  "
                      f"{k.cfg.strategy.activation_checkpointing:<10}{_gb(k.memory.total_bytes):>7}{step:>8}{tps:>10}"
                      f"{mfu:>6}")
     lines.append(f"#1: {launch} +cluster={cfg.cluster.name} +model={cfg.model.name} "
-                 f"cluster.nodes={cfg.cluster.nodes} train.seq_len={cfg.train.seq_len} {cands[0].overrides()}")
+                 f"cluster.nodes={cfg.cluster.nodes} train.seq_len={cfg.train.seq_len} "
+                 f"{cands[0].overrides(cfg.strategy.cp)}")
     return lines
 
 
@@ -243,7 +246,7 @@ def plan_point(composer: PointComposer, overrides: List[str], opts: Dict[str, ob
         raise rows[0][2]
     base = rows[0][1]
     batch = int(opts["global_batch"] or base.train.micro_batch_size * base.train.grad_accum
-                * base.cluster.nodes * base.cluster.gpus_per_node)
+                * base.cluster.nodes * base.cluster.gpus_per_node // max(1, base.strategy.cp))  # cp: shared sequences
     return rows, base, batch, candidates(base, batch, float(opts["mfu"])) if ranking_wanted(opts) else []
 
 

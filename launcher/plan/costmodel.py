@@ -206,9 +206,9 @@ class Candidate:
     memory: Memory
     time: Optional[StepTime]
 
-    def overrides(self) -> str:
+    def overrides(self, user_cp: int = 1) -> str:
         """Command-line overrides that reproduce this candidate (in place of the user's
-        +strategy and strategy.* overrides)."""
+        +strategy and strategy.* overrides; ``user_cp``: the user's strategy.cp)."""
         s, t = self.cfg.strategy, self.cfg.train
         out = [f"+strategy={s.name}", f"strategy.mixed_precision={s.mixed_precision}",
                f"strategy.tensor_parallel={s.tensor_parallel}",
@@ -217,6 +217,8 @@ class Candidate:
                f"train.micro_batch_size={t.micro_batch_size}", f"train.grad_accum={t.grad_accum}"]
         if s.pipeline_parallel > 1:
             out += [f"strategy.pp_schedule={s.pp_schedule}", f"strategy.pp_microbatches={s.pp_microbatches}"]
+        if s.cp != user_cp:  # context parallel: named when it differs from the user's (1 unless given)
+            out.append(f"strategy.cp={s.cp}")
         if s.float8:
             gather = "null" if s.float8_all_gather is None else str(s.float8_all_gather).lower()
             out += ["strategy.float8=true", f"strategy.float8_recipe={s.float8_recipe}",
@@ -228,40 +230,61 @@ def _pow2_divisors(n: int) -> List[int]:
     return [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= n and n % d == 0]
 
 
+CP_FROM_SEQ = 16384  # the search tries context parallel from this train.seq_len on (or with strategy.cp > 1)
+
+
+def _splits(cfg: RunConfig) -> List[Tuple[int, int, int]]:
+    """(tp, cp, pp) the search covers: tensor parallel inside an NVLink domain, context
+    parallel next to it inside that domain (from CP_FROM_SEQ tokens, dividing the sequence;
+    never with pipeline parallel, which it does not compose with), pipeline parallel over
+    the rest (no more stages than layers)."""
+    c, t = cfg.cluster, cfg.train
+    world, span = c.nodes * c.gpus_per_node, min(c.gpus_per_node, c.nvlink_domain or c.gpus_per_node)
+    long = t.seq_len >= CP_FROM_SEQ or cfg.strategy.cp > 1
+    out = []
+    for tp in _pow2_divisors(span):
+        for cp in [d for d in _pow2_divisors(span // tp) if d == 1 or (long and t.seq_len % d == 0)]:
+            out += [(tp, cp, pp) for pp in _pow2_divisors(min(world // (tp * cp), cfg.model.n_layers))
+                    if cp == 1 or pp == 1]
+    return out
+
+
 def candidates(cfg: RunConfig, global_batch: Optional[int] = None, mfu: float = MFU) -> List[Candidate]:
-    """Every layout the search covers that fits and passes every rule of the launcher, with
-    the fastest activation-checkpointing mode that fits, best first: by predicted step time
-    (not rounded), then by memory. The global batch (sequences per optimizer step) is held
-    fixed: micro_batch_size x grad_accum x world unless given; pipeline candidates run it as
-    one flush of microbatches of micro_batch_size sequences."""
+    """Every layout the search covers (:func:`_splits`) that fits and passes every rule of
+    the launcher, with the fastest activation-checkpointing mode that fits, best first: by
+    predicted step time (not rounded), then by memory. The global batch (sequences per
+    optimizer step) is held fixed: micro_batch_size x grad_accum x world / strategy.cp
+    unless given (the cp ranks of a group share their sequences); pipeline candidates run it as one flush of
+    microbatches of micro_batch_size sequences."""
     c, t = cfg.cluster, cfg.train
     world = c.nodes * c.gpus_per_node
-    batch = global_batch or t.micro_batch_size * t.grad_accum * world
+    batch = global_batch or t.micro_batch_size * t.grad_accum * world // max(1, cfg.strategy.cp)
     out: List[Candidate] = []
     try:  # once: a layout changes no string but to the presets' (validate(strings=False) below)
         check_strings(cfg)
     except ConfigError:
         return out
-    for tp in _pow2_divisors(min(c.gpus_per_node, c.nvlink_domain or c.gpus_per_node)):
-        for pp in _pow2_divisors(min(world // tp, cfg.model.n_layers)):
-            dp = world // (tp * pp)
-            if batch % (dp * t.micro_batch_size):
-                continue
-            per_replica = batch // (dp * t.micro_batch_size)
-            train = dataclasses.replace(t, grad_accum=per_replica) if pp == 1 else dataclasses.replace(
-                t, grad_accum=1, micro_batch_size=t.micro_batch_size * per_replica)
-            for name, fields in FLAVOURS.items():
-                if dp == 1 and name not in ("ddp", "zero1", "zero3_offload"):
-                    continue  # nothing to shard: the other flavours are these again
-                fields = dict(fields, name=name, tensor_parallel=tp, pipeline_parallel=pp,
-                              pp_microbatches=per_replica if pp > 1 else cfg.strategy.pp_microbatches)
-                if name == "hsdp":
-                    if c.nodes == 1 or pp > 1 or c.gpus_per_node // tp in (1, dp):
-                        continue  # nothing to replicate across, or the same as fsdp / ddp
-                    fields["dp_shard"] = c.gpus_per_node // tp
-                best = _fastest_fitting(cfg, train, fields, mfu)
-                if best is not None:
-                    out.append(best)
+    for tp, cp, pp in _splits(cfg):
+        dp = world // (tp * pp * cp)
+        if batch % (dp * t.micro_batch_size):
+            continue
+        per_replica = batch // (dp * t.micro_batch_size)
+        train = dataclasses.replace(t, grad_accum=per_replica) if pp == 1 else dataclasses.replace(
+            t, grad_accum=1, micro_batch_size=t.micro_batch_size * per_replica)
+        for name, fields in FLAVOURS.items():
+            if dp * cp == 1 and name not in ("ddp", "zero1", "zero3_offload"):
+                continue  # nothing to shard: the other flavours are these again
+            if cp > 1 and fields["engine"] != "torch":
+                continue  # context parallel runs under DDP or FSDP only (spec/context_parallel.py)
+            fields = dict(fields, name=name, tensor_parallel=tp, pipeline_parallel=pp, cp=cp,
+                          pp_microbatches=per_replica if pp > 1 else cfg.strategy.pp_microbatches)
+            if name == "hsdp":
+                if c.nodes == 1 or pp > 1 or c.gpus_per_node // (tp * cp) in (1, dp):
+                    continue  # nothing to replicate across, or the same as fsdp / ddp
+                fields["dp_shard"] = c.gpus_per_node // (tp * cp)
+            best = _fastest_fitting(cfg, train, fields, mfu)
+            if best is not None:
+                out.append(best)
     # exact ties (communication hidden behind compute): the least memory
     return sorted(out, key=lambda k: (k.time.step_s if k.time else 0.0, k.memory.total_bytes))
 
@@ -298,7 +321,7 @@ def nearest_runnable(cfg: RunConfig, global_batch: Optional[int] = None, mfu: fl
     where the new world divides it. The candidate's config carries the node count (its
     ``cluster.nodes`` may differ from ``cfg``'s). None when nothing runs up to 16x the nodes."""
     c, t = cfg.cluster, cfg.train
-    batch = global_batch or t.micro_batch_size * t.grad_accum * c.nodes * c.gpus_per_node
+    batch = global_batch or t.micro_batch_size * t.grad_accum * c.nodes * c.gpus_per_node // max(1, cfg.strategy.cp)
     for factor in NODE_FACTORS:
         shaped = dataclasses.replace(cfg, cluster=dataclasses.replace(c, nodes=c.nodes * factor))
         world = shaped.cluster.nodes * c.gpus_per_node
@@ -315,4 +338,4 @@ def nearest_runnable(cfg: RunConfig, global_batch: Optional[int] = None, mfu: fl
 def change_overrides(cfg: RunConfig, k: Candidate) -> str:
     """The overrides that turn ``cfg`` into candidate ``k`` (its node count when it differs)."""
     nodes = [f"cluster.nodes={k.cfg.cluster.nodes}"] if k.cfg.cluster.nodes != cfg.cluster.nodes else []
-    return " ".join([*nodes, k.overrides()])
+    return " ".join([*nodes, k.overrides(cfg.strategy.cp)])
