@@ -36,7 +36,7 @@ warm, without ranks (:mod:`train.harness.agent_places`): a restart that drops no
 gives each dropped node's place to a spare, and every agent left forks the next start's
 ranks in its place, the spare's included. A refusal, a restart that drops nodes without
 spares in the srun, or the end of the run ends the agent with its ranks' status (its
-``end`` mark in RUN_DIR/.agents): srun's ``--kill-on-bad-exit`` ends the other nodes'
+``end`` mark in RUN_DIR/.agents, with spares): srun's ``--kill-on-bad-exit`` ends the other nodes'
 agents, and the batch script's loop (slurm/step_loop.sh) does the rest, as for per-rank
 tasks.
 
@@ -166,7 +166,8 @@ class Agent(Forwarding):
         n = os.environ.get(agent_places.PLACES_ENV, "")
         self.places = agent_places.places(hosts, int(n), ()) if n.isdigit() and int(n) < len(hosts) else None
         self.hosts, self.dropped = hosts, set()  # dropped: the nodes the job's restarts dropped (RESTART)
-        agent_places.mark(run_dir, self.me, "up")
+        if self.places is not None:  # for the step loop and the spares (agent_places)
+            agent_places.mark(run_dir, self.me, "up")
         self.forward(PASSED)
 
     def asked(self) -> Optional[dict]:
@@ -249,7 +250,8 @@ class Agent(Forwarding):
             time.sleep(self.look_s)
 
     def end(self, code: int) -> int:
-        agent_places.mark(self.run_dir, self.me, "end", str(code))
+        if self.places is not None:
+            agent_places.mark(self.run_dir, self.me, "end", str(code))
         return code
 
     def fork(self, start: Optional[int]) -> None:

@@ -10,11 +10,11 @@ agents that were training fork fresh ranks from their warm state and the spare f
 node's ranks: no agent starts cold. Each rank sees the places as its step's nodes
 (SLURM_NODEID = its place, the node list in place order: the master is place 0's node).
 
-Marks for the step loop, in ``RUN_DIR/.agents/`` (emptied before each srun): ``NODE.up``
-when a node's agent starts, ``NODE.end`` (its exit status) when it ends. A dead node's
-task never ends for srun until Slurm declares the node DOWN (SlurmdTimeout): once every
-agent of the srun that is not on a dropped node has ended, the loop ends the srun itself
-with the worst of their statuses.
+Marks for the step loop, in such an srun only, in ``RUN_DIR/.agents/`` (emptied before
+each srun): ``NODE.up`` when a node's agent starts, ``NODE.end`` (its exit status) when it
+ends. A dead node's task never ends for srun until Slurm declares the node DOWN
+(SlurmdTimeout): once every agent of the srun that is not on a dropped node has ended,
+the loop ends the srun itself with the worst of their statuses.
 """
 from __future__ import annotations
 
