@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from launcher.snapshot import Frozen
-from slurm import submitit_adapter
+from slurm import sbatch, submitit_adapter
 from spec.config import ConfigError, RunConfig
 
 
@@ -51,22 +51,28 @@ def container_args(cfg: RunConfig, code: Optional[Frozen], run_dir: Optional[Pat
     return [*c.container_mounts, *(f"{p}:{p}" for p in ours)], [f"--container-name={name}"]
 
 
+def image_python(cfg: RunConfig) -> str:
+    """The interpreter inside cluster.container_image, as shell words: cluster.python, else
+    the image's own ``python`` (never the login host's venv path, which the image lacks)."""
+    return shlex.quote(cfg.cluster.python) if cfg.cluster.python else "python"
+
+
 def in_image(cfg: RunConfig, run_dir: Path, cpus: int, gpus: int = 0,
              code: Optional[Frozen] = None) -> Tuple[str, Optional[str]]:
     """A job of the run's own that runs one command (an evaluation, a chain's step): with
     cluster.container_image, the words that run it in the image as the training's tasks
     run (srun's one task of ``cpus`` CPUs and ``gpus`` GPUs, asked again as srun inherits
-    neither, the run's mounts and container name) and the
-    image's Python (cluster.python, else its ``python``); ("", None) without one: the
-    batch script's own host runs it."""
+    neither; the training's container options: :func:`slurm.sbatch.srun_args`, the run's
+    mounts and container name) and the image's Python (:func:`image_python`); ("", None)
+    without one: the batch script's own host runs it."""
     c = cfg.cluster
     if not c.container_image:
         return "", None
     mounts, named = container_args(cfg, code, run_dir, None)
-    srun = ["srun", "--ntasks=1", f"--cpus-per-task={int(cpus)}", *([f"--gpus={int(gpus)}"] if gpus else []), f"--container-image={c.container_image}",
-            *(["--container-mounts=" + ",".join(mounts)] if mounts else []),
-            *([f"--container-workdir={c.container_workdir}"] if c.container_workdir else []), *named]
-    return " ".join(map(shlex.quote, srun)) + " ", c.python or "python"
+    gpu = [f"--gpus={int(gpus)}"] if gpus else []
+    srun = ["srun", "--ntasks=1", *sbatch.srun_args(cpus, gpu, [], c.container_image, mounts, c.container_workdir),
+            *named]
+    return " ".join(map(shlex.quote, srun)) + " ", image_python(cfg)
 
 
 def resources_line(cfg: RunConfig) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from launcher.resources import container_args, task_shape
+from launcher.resources import container_args, image_python, task_shape
 from launcher.snapshot import Frozen
 from slurm import query, sbatch, submitit_adapter
 from slurm.states import job_over, job_state
@@ -164,9 +164,9 @@ def job_pythons(cfg: RunConfig, code: Optional[Frozen], python: Optional[str] = 
     cluster.python names another; with cluster.container_image the tasks run the image's
     (cluster.python, else its ``python``) while the batch script stays on the host."""
     here = python or _task_python(code)[0] or shlex.quote(sys.executable)
-    given = shlex.quote(cfg.cluster.python) if cfg.cluster.python else None
     if cfg.cluster.container_image:
-        return given or "python", here
+        return image_python(cfg), here
+    given = shlex.quote(cfg.cluster.python) if cfg.cluster.python else None
     return given or here, given or here
 
 
