@@ -42,8 +42,12 @@ class Speed:
 
     micro_batch: int = SPEED_BATCHES[-1]
     gpu_mem_gb: Optional[float] = None
-    planned: Dict[str, float] = field(default_factory=dict)  # strategy -> the planner's bytes a GPU
     plans: Dict[str, dict] = field(default_factory=dict)     # strategy -> the planner's JSON object
+
+    @property
+    def planned(self) -> Dict[str, float]:
+        """strategy -> the planner's bytes a GPU (of the plans made so far)."""
+        return {s: p["total_bytes"] for s, p in self.plans.items()}
 
     def overrides(self) -> List[str]:
         gpu = [f"cluster.gpu_mem_gb={self.gpu_mem_gb:.1f}"] if self.gpu_mem_gb else []
@@ -69,7 +73,6 @@ def plan_speed(micro_batch: int, gpu_mem_gb: Optional[float]) -> Dict[str, dict]
     return {p["strategy"]: p for p in json.loads(proc.stdout)}
 
 
-
 def speed_batch(gpu_mem_gb: float) -> Speed:
     """The largest of SPEED_BATCHES with which the planner (``python -m launcher.plan``, its
     JSON) fits the speed run, whole logits, on a GPU of ``gpu_mem_gb`` under each of
@@ -82,8 +85,7 @@ def speed_batch(gpu_mem_gb: float) -> Speed:
         plans = plan_speed(micro_batch, gpu_mem_gb)
         if all(plans[s]["fits"] for s in SPEED_PLANNED):
             break
-    return Speed(micro_batch, gpu_mem_gb, {s: plans[s]["total_bytes"] for s in SPEED_PLANNED},
-                 {s: plans[s] for s in SPEED_PLANNED})
+    return Speed(micro_batch, gpu_mem_gb, {s: plans[s] for s in SPEED_PLANNED})
 
 
 def speed_dir(scratch: Path, name: str) -> Path:

@@ -41,7 +41,7 @@ def test_a_speed_row_reports_the_planner_beside_the_measured_figures(tmp_path):
     of it in the row's speed.json, with the planner's constants of the source."""
     row = Row("speed/ddp", [], exited_ok, run_dir=tmp_path / "speed_ddp")
     _metrics(row.run_dir)
-    line = gs.speed_report(row, gs.Speed(8, 139.8, {"ddp": PLAN["total_bytes"]}, {"ddp": PLAN}), "ddp")
+    line = gs.speed_report(row, gs.Speed(8, 139.8, {"ddp": PLAN}), "ddp")
     assert line.startswith("32,768 tokens/s, MFU 40.0%, step 0.500 s, micro-batch 8, peak 40.0 GiB, reserved 44.0 GiB, "
                            "planned 50.0 GiB (5 steps)")
     assert line.endswith("; planner: step 0.400 s (measured/planned 1.25), 50.0 GiB (measured/planned 0.88)")
